@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test`.
+# Each creates .venv and installs pinned dependencies first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch==2.13.0 takes the local CPU build; a looser range may pull a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+
+.PHONY: venv test lint typecheck pytest demo bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+lint: venv
+	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff format --check src tests examples benchmarks
+
+typecheck: venv
+	$(VENV)/bin/mypy src/stalwart
+
+pytest: venv
+	$(PY) -m pytest -q
+
+test: lint typecheck pytest
+
+demo: venv
+	$(PY) examples/demo.py
+
+bench: venv
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

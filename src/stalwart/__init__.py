@@ -1,0 +1,45 @@
+"""stalwart: crash-safe, exact-resume checkpointing for custom PyTorch training.
+
+Quick start::
+
+    state = stalwart.TrainState(model=model, optimizer=opt, scheduler=sched, data=loader)
+    with stalwart.CheckpointManager("runs/exp1", every_steps=200, keep_last=3) as ckpt:
+        start = ckpt.restore(state) or 0
+        for step in range(start, total_steps):
+            train_one_step(...)
+            ckpt.save(step + 1, state)
+            if ckpt.preempted:
+                break
+"""
+
+from stalwart.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    RunLockedError,
+    StalwartError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+    UnsupportedFormatError,
+)
+from stalwart.manager import CheckpointManager
+from stalwart.sampler import ResumableDataLoader, ResumableSampler
+from stalwart.state import TrainState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "ResumableDataLoader",
+    "ResumableSampler",
+    "RunLockedError",
+    "StalwartError",
+    "StateMismatchError",
+    "TrainState",
+    "UnsafeCheckpointError",
+    "UnsupportedFormatError",
+    "__version__",
+]

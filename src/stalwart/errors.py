@@ -1,0 +1,76 @@
+"""Every error stalwart raises on purpose.
+
+Each subclass also derives from the built-in exception that matches its meaning,
+so code that already catches ``FileNotFoundError`` or ``ValueError`` keeps
+working::
+
+    StalwartError(Exception)
+    ├── CheckpointNotFoundError(StalwartError, FileNotFoundError)
+    ├── CheckpointCorruptError(StalwartError, ValueError)
+    │   └── UnsafeCheckpointError           content that would run code on load
+    ├── UnsupportedFormatError(StalwartError, ValueError)
+    ├── StateMismatchError(StalwartError, ValueError)
+    ├── CheckpointSaveError(StalwartError, RuntimeError)
+    └── RunLockedError(StalwartError, RuntimeError)
+
+Backend errors (``OSError`` from the filesystem, DCP's ``CheckpointException``,
+which derives from ``BaseException`` and escapes ``except Exception``) are
+converted at the boundary into the most specific class here, with the original
+chained as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "RunLockedError",
+    "StalwartError",
+    "StateMismatchError",
+    "UnsafeCheckpointError",
+    "UnsupportedFormatError",
+]
+
+
+class StalwartError(Exception):
+    """Base class of every error stalwart raises on purpose."""
+
+
+class CheckpointNotFoundError(StalwartError, FileNotFoundError):
+    """No committed checkpoint where one was asked for (a run directory or a step)."""
+
+
+class CheckpointCorruptError(StalwartError, ValueError):
+    """A committed checkpoint whose files do not match its manifest, or whose manifest is unreadable.
+
+    ``path`` names the offending file when one is known.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class UnsafeCheckpointError(CheckpointCorruptError):
+    """Checkpoint content that would execute code or build arbitrary objects when loaded.
+
+    Raised before any such object is constructed; the file is treated like a
+    corrupt one (skipped by ``restore``, reported by ``verify``).
+    """
+
+
+class UnsupportedFormatError(StalwartError, ValueError):
+    """A manifest written by a newer format version than this stalwart understands."""
+
+
+class StateMismatchError(StalwartError, ValueError):
+    """The state to restore into and the checkpoint do not have the same keys (strict restore)."""
+
+
+class CheckpointSaveError(StalwartError, RuntimeError):
+    """A save failed; nothing was committed and earlier checkpoints are untouched."""
+
+
+class RunLockedError(StalwartError, RuntimeError):
+    """Another live process holds the single-writer lock on the run directory."""

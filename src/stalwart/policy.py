@@ -1,0 +1,73 @@
+"""When to save and what to keep: small policy objects, plain data."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+__all__ = ["RetentionPolicy", "SavePolicy"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SavePolicy:
+    """Decides whether ``save(step)`` writes a checkpoint.
+
+    With neither field set, every call saves: the caller decides when.
+    """
+
+    every_steps: int | None = None
+    """Save when ``step`` is a multiple of this."""
+    every_seconds: float | None = None
+    """Save when at least this many seconds passed since the last save (or the start)."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None and (
+            isinstance(self.every_steps, bool)
+            or not isinstance(self.every_steps, int)
+            or self.every_steps < 1
+        ):
+            raise ValueError(
+                f"every_steps must be a positive integer or None, got {self.every_steps!r}"
+            )
+        if self.every_seconds is not None and not (
+            isinstance(self.every_seconds, (int, float)) and self.every_seconds > 0
+        ):
+            raise ValueError(
+                f"every_seconds must be a positive number or None, got {self.every_seconds!r}"
+            )
+
+    def due(self, step: int, *, seconds_since_last: float) -> bool:
+        if self.every_steps is None and self.every_seconds is None:
+            return True
+        if self.every_steps is not None and step % self.every_steps == 0:
+            return True
+        return self.every_seconds is not None and seconds_since_last >= self.every_seconds
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RetentionPolicy:
+    """Which committed checkpoints to keep. The newest one is always kept."""
+
+    keep_last: int | None = 3
+    """Keep this many newest checkpoints; None keeps all."""
+    keep_every: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this (milestones)."""
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_every"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+    def to_delete(self, steps: Sequence[int]) -> list[int]:
+        """Steps (from the committed ``steps``) that this policy lets go, oldest first."""
+        ordered = sorted(set(steps))
+        if self.keep_last is None or not ordered:
+            return []
+        keep = set(ordered[-self.keep_last :])
+        if self.keep_every is not None:
+            keep.update(s for s in ordered if s % self.keep_every == 0)
+        keep.add(ordered[-1])
+        return [s for s in ordered if s not in keep]

@@ -1,0 +1,508 @@
+"""Load DCP checkpoints without running code from them.
+
+The threat is a checkpoint directory that came from somewhere else: shared by a
+colleague, downloaded with a model, copied off a bucket other people can write.
+Plain ``torch.distributed.checkpoint.load`` trusts it completely:
+
+- ``.metadata`` is a pickle, and ``FileSystemReader.read_metadata`` calls
+  ``pickle.load`` on it, so a crafted file runs any code it likes the moment the
+  checkpoint is opened (even by ``stalwart inspect``).
+- Every non-tensor value (python ints, lists, optimizer hyperparameters, ...) is a
+  ``torch.save`` blob inside a ``.distcp`` file, and ``DefaultLoadPlanner.load_bytes``
+  reads it with ``torch.load(weights_only=False)``: a full unpickler again.
+
+Checksums in MANIFEST.json do not help: whoever can write the checkpoint can
+write a manifest that matches it.
+
+So this module reads ``.metadata`` with a restricted unpickler that can build
+only the handful of plain-data classes DCP writes there (torch 2.9 through 2.13
+write the same set), never lets a pickle change the state of a class or any
+other shared object, and checks the result's shape (including that every data
+file named in it lies inside the checkpoint directory) before anyone uses it.
+Non-tensor values go through ``torch.load(weights_only=True)``, torch's own
+restricted unpickler; a user who stores an object of their own class there
+allowlists it with ``torch.serialization.add_safe_globals``, knowingly. Tensor
+data was already read with ``weights_only=True`` by DCP itself.
+
+Public entry points: ``read_dcp_metadata``, ``tensor_table``, ``safe_load`` and,
+for callers that drive ``dcp.load`` themselves, ``SafeFileSystemReader`` plus
+``SafeLoadPlanner``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import pickle
+from collections.abc import Callable
+from typing import IO, Any, ClassVar, cast
+
+import torch
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from stalwart.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    StalwartError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+)
+
+__all__ = [
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "read_dcp_metadata",
+    "safe_load",
+    "tensor_table",
+]
+
+_METADATA_FILE = ".metadata"
+_TAMPERED = "the file is not a genuine DCP metadata file or was tampered with"
+
+# Classes whose fresh instances the pickle fills in (NEWOBJ then BUILD). These are
+# plain dataclasses; TensorProperties.__setstate__ only unpacks a tuple.
+_BUILDABLE: frozenset[type] = frozenset(
+    {
+        Metadata,
+        TensorStorageMetadata,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        TensorProperties,
+        MetadataIndex,
+        StorageMeta,
+        _StorageInfo,
+    }
+)
+
+
+_LAYOUTS: dict[str, torch.layout] = {
+    str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)
+}
+
+
+def _layout_by_name(name: str) -> torch.layout:
+    # Stands in for torch.serialization._get_layout, which is what
+    # torch.layout pickles as: same answer, but its cache is a function attribute
+    # and ours is out of a pickle's reach, and nothing but a layout comes back.
+    if not isinstance(name, str) or name not in _LAYOUTS:
+        raise pickle.UnpicklingError(f"unknown torch.layout {name!r}")
+    return _LAYOUTS[name]
+
+
+def _mem_format_encoding(value: int) -> _MEM_FORMAT_ENCODING:
+    # The enum class itself is also Enum's functional API: called with more
+    # arguments it builds new classes. Only the one-argument lookup is needed.
+    return _MEM_FORMAT_ENCODING(value)
+
+
+def _path_classes() -> dict[tuple[str, str], Callable[..., pathlib.PurePath]]:
+    # StorageMeta.checkpoint_id is the Path the writer was given. Constructing a
+    # path touches no file. A path of the other OS family cannot be instantiated
+    # here, so it comes back as its pure counterpart, as a string would.
+    on_windows = os.name == "nt"
+    classes: dict[str, Callable[..., pathlib.PurePath]] = {
+        "PurePath": pathlib.PurePath,
+        "PurePosixPath": pathlib.PurePosixPath,
+        "PureWindowsPath": pathlib.PureWindowsPath,
+        "Path": pathlib.Path,
+        "PosixPath": pathlib.PurePosixPath if on_windows else pathlib.PosixPath,
+        "WindowsPath": pathlib.WindowsPath if on_windows else pathlib.PureWindowsPath,
+    }
+    # Python 3.13 (only) defines the classes in pathlib._local, and its pickles
+    # name that module.
+    return {
+        (module, name): cls
+        for module in ("pathlib", "pathlib._local")
+        for name, cls in classes.items()
+    }
+
+
+def _allowed_globals() -> dict[tuple[str, str], object]:
+    """Every global a DCP ``.metadata`` pickle may name, as (module, name) -> object.
+
+    Found by recording ``find_class`` while unpickling metadata that torch 2.13
+    wrote for models, Adam state, python values, bfloat16/bool/int64 and
+    channels-last tensors; torch 2.9's metadata.py and filesystem.py define and
+    pickle the same classes. Nothing here runs code when called: dataclass
+    constructors, ``torch.Size``, a layout lookup, an enum lookup, path
+    constructors, and dtype objects (not callable at all).
+    """
+    dcp_metadata = "torch.distributed.checkpoint.metadata"
+    allowed: dict[tuple[str, str], object] = {
+        (dcp_metadata, "Metadata"): Metadata,
+        (dcp_metadata, "TensorStorageMetadata"): TensorStorageMetadata,
+        (dcp_metadata, "BytesStorageMetadata"): BytesStorageMetadata,
+        (dcp_metadata, "ChunkStorageMetadata"): ChunkStorageMetadata,
+        (dcp_metadata, "TensorProperties"): TensorProperties,
+        (dcp_metadata, "MetadataIndex"): MetadataIndex,
+        (dcp_metadata, "StorageMeta"): StorageMeta,
+        (dcp_metadata, "_MEM_FORMAT_ENCODING"): _mem_format_encoding,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): _layout_by_name,
+    }
+    # A dtype pickles as the name of its torch attribute (torch.float32 ->
+    # "torch", "float32"). Taking them from torch keeps new dtypes loadable.
+    for name, value in vars(torch).items():
+        if isinstance(value, torch.dtype):
+            allowed["torch", name] = value
+    allowed.update(_path_classes())
+    return allowed
+
+
+_ALLOWED_GLOBALS = _allowed_globals()
+
+
+class _Refused(pickle.UnpicklingError):
+    """Raised inside the unpickler; turned into UnsafeCheckpointError with the file name."""
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """The pure-python unpickler, restricted to DCP metadata.
+
+    The C unpickler only lets a subclass filter globals. That is not enough: its
+    BUILD opcode sets attributes on whatever object is on the stack, including an
+    allowed class itself, an enum member or a function, so a pickle could rewrite
+    ``Metadata`` or poison a cache for the rest of the process. The python one
+    lets BUILD be checked too, at about twice the cost.
+    """
+
+    stack: list[Any]  # set by pickle._Unpickler.load()
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED_GLOBALS[module, name]
+        except KeyError:
+            raise _Refused(f"refused to load global '{module}.{name}'") from None
+
+    def _load_build(self) -> None:
+        target = self.stack[-2]
+        if type(target) not in _BUILDABLE:
+            what = (
+                f"class {target.__module__}.{target.__qualname__}"
+                if isinstance(target, type)
+                else f"a {type(target).__module__}.{type(target).__qualname__} object"
+            )
+            raise _Refused(f"refused to set the state of {what}")
+        _BASE_BUILD(cast(pickle.Unpickler, self))
+
+    dispatch: ClassVar[dict[int, Callable[[pickle.Unpickler], None]]] = dict(
+        pickle._Unpickler.dispatch
+    )
+    dispatch[pickle.BUILD[0]] = cast(Callable[[pickle.Unpickler], None], _load_build)
+
+
+_BASE_BUILD = pickle._Unpickler.dispatch[pickle.BUILD[0]]
+
+
+def _unpickle_metadata(stream: IO[bytes], where: str) -> Metadata:
+    # Read it whole first: a crafted length field then asks an in-memory buffer
+    # for more than it has (a short read, "truncated"), not the file object,
+    # which would allocate the claimed size up front.
+    data = stream.read()
+    try:
+        obj = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as exc:
+        raise UnsafeCheckpointError(
+            f"{where}: {exc} (only DCP metadata classes are allowed); {_TAMPERED}",
+            path=where,
+        ) from exc
+    except Exception as exc:
+        # Only inert constructors can run, so anything raised here (EOFError,
+        # UnpicklingError, KeyError from a bad memo index, TypeError, ...) means
+        # the bytes are not a well-formed metadata pickle.
+        raise CheckpointCorruptError(
+            f"{where}: not a readable DCP metadata file (truncated or not a pickle: "
+            f"{type(exc).__name__}: {exc})",
+            path=where,
+        ) from exc
+    return _check_structure(obj, where)
+
+
+def _is_plain_file_name(name: object) -> bool:
+    # FileSystemReader joins this onto the checkpoint directory; "../x" or an
+    # absolute path would read any file on the machine into the loaded tensors.
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\:\0")
+    )
+
+
+def _check_structure(obj: object, where: str) -> Metadata:
+    # A pickle of allowed classes can still hold anything in any field; check what
+    # DCP and tensor_table rely on so a bad file fails here, with its name.
+    def bad(what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{where}: not valid DCP metadata: {what}", path=where)
+
+    if type(obj) is not Metadata:
+        raise bad(f"top-level object is {type(obj).__qualname__}, expected Metadata")
+    entries = getattr(obj, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        raise bad("state_dict_metadata is not a dict")
+    for fqn, entry in entries.items():
+        if not isinstance(fqn, str):
+            raise bad(f"state_dict_metadata key {fqn!r} is not a string")
+        if type(entry) is BytesStorageMetadata:
+            continue
+        if type(entry) is not TensorStorageMetadata:
+            raise bad(f"entry {fqn!r} is {type(entry).__qualname__}")
+        properties = getattr(entry, "properties", None)
+        chunks = getattr(entry, "chunks", None)
+        if (
+            type(properties) is not TensorProperties
+            or not isinstance(getattr(properties, "dtype", None), torch.dtype)
+            or type(getattr(entry, "size", None)) is not torch.Size
+            or not isinstance(chunks, list)
+            or not all(
+                type(chunk) is ChunkStorageMetadata
+                and type(getattr(chunk, "offsets", None)) is torch.Size
+                and type(getattr(chunk, "sizes", None)) is torch.Size
+                for chunk in chunks
+            )
+        ):
+            raise bad(f"tensor entry {fqn!r} lacks a dtype, size or chunk list")
+    storage = getattr(obj, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise bad("storage_data is not a dict")
+    for index, info in storage.items():
+        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+            raise bad("storage_data does not map MetadataIndex to _StorageInfo")
+        relative_path = getattr(info, "relative_path", None)
+        if not _is_plain_file_name(relative_path):
+            raise UnsafeCheckpointError(
+                f"{where}: data of {index.fqn!r} is said to be in {relative_path!r}, "
+                f"which is not a file name inside the checkpoint directory; {_TAMPERED}",
+                path=where,
+            )
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise bad(f"data of {index.fqn!r} has offset {offset!r}, length {length!r}")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None and not (
+            isinstance(descriptors, (list, tuple)) and all(isinstance(d, str) for d in descriptors)
+        ):
+            raise bad(f"data of {index.fqn!r} has transform_descriptors {descriptors!r}")
+    storage_meta = getattr(obj, "storage_meta", None)
+    if storage_meta is not None and type(storage_meta) is not StorageMeta:
+        raise bad(f"storage_meta is {type(storage_meta).__qualname__}")
+    return obj
+
+
+def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
+    """Read a DCP checkpoint's ``.metadata`` without running code from it.
+
+    ``path`` is the checkpoint directory or the metadata file itself (also a
+    rank-local ``__<rank>.metadata``). Returns the ``Metadata`` exactly as stored:
+    unlike ``FileSystemReader.read_metadata`` it does not fill in ``storage_meta``
+    or a ``load_id``. Callable from any rank or thread; reads one file.
+
+    Raises ``UnsafeCheckpointError`` for a pickle naming anything but DCP's
+    metadata classes (or trying to modify one), ``CheckpointCorruptError`` for a
+    truncated or garbage file, ``CheckpointNotFoundError`` when there is none.
+    """
+    file = os.fspath(path)
+    if os.path.isdir(file):
+        file = os.path.join(file, _METADATA_FILE)
+    try:
+        with open(file, "rb") as stream:
+            return _unpickle_metadata(stream, file)
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"{file}: no DCP metadata file (is {os.fspath(path)} a DCP checkpoint directory?)"
+        ) from exc
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` uses the restricted unpickler.
+
+    Everything else, including the parent's handling of ``storage_meta``,
+    ``load_id`` and rank-local metadata files (``rank=``), is unchanged.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        # dcp.load swallows read_metadata's exception (it logs it and retries a
+        # rank-local file), so safe_load reads the real cause from here.
+        self.metadata_errors: list[StalwartError] = []
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # **kwargs must stay in the signature: dcp.load looks for it to decide
+        # whether to retry with rank=.
+        path = self._get_metadata_path(kwargs.get("rank"))
+        where = os.fspath(path)
+        try:
+            try:
+                with self.fs.create_stream(path, "rb") as stream:
+                    metadata = _unpickle_metadata(cast(IO[bytes], stream), where)
+            except FileNotFoundError as exc:
+                raise CheckpointNotFoundError(f"{where}: no DCP metadata file") from exc
+        except StalwartError as exc:
+            self.metadata_errors.append(exc)
+            raise
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _weights_only_detail(exc: BaseException) -> str:
+    # torch wraps the refusal in a page of advice and chains the original, which
+    # names what was refused ("Unsupported global: GLOBAL getattr ...",
+    # "... GLOBAL posix.system whose module posix is blocked").
+    inner = exc.__context__
+    if isinstance(inner, pickle.UnpicklingError) and str(inner).strip():
+        return str(inner).strip()
+    text = str(exc)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        return text.split(marker, 1)[1].strip().split("\n\n", 1)[0].strip()
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that reads non-tensor values with ``weights_only=True``.
+
+    Plain python data (numbers, strings, None, lists, tuples, dicts), tensors and
+    the classes allowlisted with ``torch.serialization.add_safe_globals`` load;
+    anything else raises ``UnsafeCheckpointError`` naming the value's key.
+    """
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            # torch's weights-only unpickler raises this for every global or
+            # opcode it refuses.
+            raise UnsafeCheckpointError(
+                f"non-tensor value {fqn!r}: refused by torch.load(weights_only=True): "
+                f"{_weights_only_detail(exc)}"
+            ) from exc
+        except Exception as exc:
+            raise CheckpointCorruptError(
+                f"non-tensor value {fqn!r} is unreadable: {type(exc).__name__}: {exc}"
+            ) from exc
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def _copy_error(exc: StalwartError) -> StalwartError:
+    if isinstance(exc, CheckpointCorruptError):
+        return type(exc)(str(exc), path=exc.path)
+    return type(exc)(*exc.args)
+
+
+def _convert_checkpoint_exception(
+    exc: CheckpointException, reader: SafeFileSystemReader, checkpoint_dir: str
+) -> StalwartError:
+    failures = [failure for failure, _trace in exc.failures.values()]
+    ours = [f for f in failures if isinstance(f, StalwartError)] + reader.metadata_errors
+    for kind in (UnsafeCheckpointError, CheckpointCorruptError, StalwartError):
+        for err in ours:
+            if isinstance(err, kind):
+                return _copy_error(err)
+    ranks = sorted(exc.failures)
+    first = failures[0] if failures else exc
+    if isinstance(first, RuntimeError) and str(first).startswith("Missing key in checkpoint"):
+        return StateMismatchError(
+            f"{checkpoint_dir}: {first} Load into a state dict with the checkpoint's keys "
+            "(`stalwart inspect` lists them)."
+        )
+    return CheckpointCorruptError(
+        f"{checkpoint_dir}: DCP load failed on rank(s) {ranks}: {type(first).__name__}: {first}",
+        path=checkpoint_dir,
+    )
+
+
+def safe_load(
+    state_dict: dict[str, Any],
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    process_group: torch.distributed.ProcessGroup | None = None,
+) -> None:
+    """``dcp.load`` into ``state_dict`` in place, without running code from the checkpoint.
+
+    Collective: every rank of ``process_group`` calls it (or a single process
+    with no process group). Blocks until the data is read.
+
+    Raises ``UnsafeCheckpointError`` when metadata or a non-tensor value would
+    need a full unpickler, ``CheckpointCorruptError`` for any other failure DCP
+    reports (truncated files, wrong sizes), ``StateMismatchError`` when
+    ``state_dict`` has a key the checkpoint lacks and ``CheckpointNotFoundError``
+    when ``checkpoint_dir`` is not a directory. DCP's ``CheckpointException``
+    (a ``BaseException``) is chained as ``__cause__``.
+    """
+    directory = os.fspath(checkpoint_dir)
+    if not os.path.isdir(directory):
+        raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
+    reader = SafeFileSystemReader(directory)
+    try:
+        dcp_load(
+            state_dict,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+        )
+    except CheckpointException as exc:
+        raise _convert_checkpoint_exception(exc, reader, directory) from exc
+    # dcp.load falls back to a rank-local metadata file when .metadata fails to
+    # read; a tampered .metadata must still fail the load.
+    for err in reader.metadata_errors:
+        if isinstance(err, UnsafeCheckpointError):
+            raise _copy_error(err)
+
+
+def tensor_table(metadata: Metadata) -> list[dict[str, Any]]:
+    """One row per stored value, sorted by fully qualified name, for ``stalwart inspect``.
+
+    Row keys: ``fqn``; ``kind`` (``"tensor"`` or ``"bytes"``, a pickled python
+    value); ``dtype`` (e.g. ``"float32"``), ``shape`` (list of ints) and ``nbytes``
+    (of the whole, unsharded tensor), each ``None`` for bytes; ``chunks``, the
+    number of stored pieces (shards), 1 for bytes.
+    """
+    rows: list[dict[str, Any]] = []
+    for fqn in sorted(metadata.state_dict_metadata):
+        entry = metadata.state_dict_metadata[fqn]
+        if isinstance(entry, TensorStorageMetadata):
+            dtype = entry.properties.dtype
+            rows.append(
+                {
+                    "fqn": fqn,
+                    "kind": "tensor",
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "shape": list(entry.size),
+                    "nbytes": entry.size.numel() * dtype.itemsize,
+                    "chunks": len(entry.chunks),
+                }
+            )
+        else:
+            rows.append(
+                {
+                    "fqn": fqn,
+                    "kind": "bytes",
+                    "dtype": None,
+                    "shape": None,
+                    "nbytes": None,
+                    "chunks": 1,
+                }
+            )
+    return rows

@@ -1,0 +1,143 @@
+"""Checkpoints in a directory of a POSIX filesystem.
+
+Layout of a run directory::
+
+    step_000000200/                  committed: holds MANIFEST.json
+    .step_000000400.tmp-<hex>/       being written, or abandoned by a crash
+    .step_000000100.del-<hex>/       being deleted by retention
+
+Publishing is ``rename(2)`` of the staging directory to its final name followed
+by an fsync of the run directory: rename is atomic, so a reader sees either no
+``step_…`` directory or a complete one, and the fsync makes the new name survive
+a power loss.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from stalwart.errors import CheckpointSaveError
+from stalwart.manifest import MANIFEST_NAME
+from stalwart.storage.base import StepEntry, StepStatus
+
+__all__ = ["LocalStorage", "fsync_dir", "fsync_file", "step_dir_name"]
+
+_STEP_RE = re.compile(r"^step_(\d{9,})$")
+_TMP_RE = re.compile(r"^\.step_(\d{9,})\.(tmp|del|corrupt)-[0-9a-f]+$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that entries created or renamed in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage:
+    """A run directory on a local or network POSIX filesystem. See the module docstring."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def step_path(self, step: int) -> Path:
+        return self.root / step_dir_name(step)
+
+    def begin(self, step: int) -> Path:
+        staging = self.root / f".{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
+        staging.mkdir(parents=False, exist_ok=False)
+        return staging
+
+    def commit(self, staging: Path, step: int, manifest_json: str) -> Path:
+        final = self.step_path(step)
+        manifest_tmp = staging / (MANIFEST_NAME + ".tmp")
+        with open(manifest_tmp, "w", encoding="utf-8") as f:
+            f.write(manifest_json)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(manifest_tmp, staging / MANIFEST_NAME)
+        fsync_dir(staging)
+        if final.exists():
+            raise CheckpointSaveError(
+                f"{final} already exists; a committed checkpoint is never overwritten "
+                f"(delete it first, or save under another step)"
+            )
+        try:
+            os.rename(staging, final)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise CheckpointSaveError(
+                    f"{final} appeared while committing; another writer is using {self.root}"
+                ) from exc
+            raise
+        fsync_dir(self.root)
+        return final
+
+    def abort(self, staging: Path) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def scan(self) -> list[StepEntry]:
+        entries: list[StepEntry] = []
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        for name in names:
+            path = self.root / name
+            if m := _STEP_RE.match(name):
+                # A step directory without a manifest cannot come from our rename
+                # protocol (the manifest is in place before the rename); it was
+                # copied or damaged by hand, and does not count as committed.
+                committed = (path / MANIFEST_NAME).is_file()
+                entries.append(
+                    StepEntry(
+                        name=name,
+                        path=path,
+                        step=int(m.group(1)),
+                        status="committed" if committed else "incomplete",
+                    )
+                )
+            elif m := _TMP_RE.match(name):
+                status: StepStatus = "corrupt" if m.group(2) == "corrupt" else "incomplete"
+                entries.append(StepEntry(name=name, path=path, step=int(m.group(1)), status=status))
+        entries.sort(key=lambda e: (e.step if e.step is not None else -1, e.name))
+        return entries
+
+    def committed_steps(self) -> list[int]:
+        return [e.step for e in self.scan() if e.status == "committed" and e.step is not None]
+
+    def quarantine(self, step: int) -> Path:
+        """Move a committed step that failed verification out of the way, keeping it for inspection."""
+        path = self.step_path(step)
+        aside = self.root / f".{step_dir_name(step)}.corrupt-{uuid.uuid4().hex[:12]}"
+        os.rename(path, aside)
+        fsync_dir(self.root)
+        return aside
+
+    def delete(self, step: int) -> None:
+        path = self.step_path(step)
+        # Rename first: the checkpoint stops existing atomically, so a crash in the
+        # middle of rmtree leaves a hidden directory for gc, never a committed
+        # step with missing files.
+        doomed = self.root / f".{step_dir_name(step)}.del-{uuid.uuid4().hex[:12]}"
+        os.rename(path, doomed)
+        fsync_dir(self.root)
+        shutil.rmtree(doomed, ignore_errors=True)

@@ -1,0 +1,90 @@
+"""Shared fixtures: a small but complete training state."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+import stalwart
+
+
+@dataclass
+class Parts:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    extra: dict
+    state: stalwart.TrainState
+
+
+def make_parts(*, hidden: int = 8, extra: dict | None = None, **state_kwargs) -> Parts:
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    extra = {"epoch": 0, "best": 1e9} if extra is None else extra
+    state = stalwart.TrainState(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        extra=extra,
+        **state_kwargs,
+    )
+    return Parts(model, optimizer, scheduler, scaler, extra, state)
+
+
+def train_steps(parts: Parts, n: int) -> None:
+    for _ in range(n):
+        x = torch.randn(16, 4)
+        loss = parts.model(torch.nn.functional.dropout(x, 0.2)).pow(2).mean()
+        parts.optimizer.zero_grad()
+        parts.scaler.scale(loss).backward()
+        parts.scaler.step(parts.optimizer)
+        parts.scaler.update()
+        parts.scheduler.step()
+        parts.extra["best"] = min(parts.extra["best"], float(loss.detach()))
+        random.random()
+        np.random.rand()
+
+
+def snapshot(parts: Parts) -> dict:
+    """Everything that must come back, as comparable values."""
+    return {
+        "model": {k: v.clone() for k, v in parts.model.state_dict().items()},
+        "optimizer": torch.optim.Optimizer.state_dict(parts.optimizer),
+        "scheduler": parts.scheduler.state_dict(),
+        "scaler": parts.scaler.state_dict(),
+        "extra": dict(parts.extra),
+        "draws": (torch.rand(3), random.random(), float(np.random.rand())),
+    }
+
+
+def assert_same(a: object, b: object, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: {set(a) ^ set(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+@pytest.fixture
+def parts_factory() -> Callable[..., Parts]:
+    return make_parts
