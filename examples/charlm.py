@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import math
 import os
+import random
 import signal
 import sys
 import sysconfig
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     # process, so a resumed process computes the same floats as the original.
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    # Seed every generator a fresh run uses, so two fresh runs are identical too;
+    # after a restore, stalwart puts back the states they had reached.
+    random.seed(args.seed)
     torch.manual_seed(args.seed)
 
     data, data_hash = load_corpus()

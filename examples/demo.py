@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -50,23 +50,32 @@ class Proc:
 
     label: str
     popen: subprocess.Popen[str]
-    pump: threading.Thread
+    log: Path
     started: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def pump(self) -> None:
+        assert self.popen.stdout is not None
+        with open(self.log, "w", encoding="utf-8") as f:
+            for line in self.popen.stdout:
+                f.write(line)
+                with _print_lock:  # whole lines only: two runs print at the same time
+                    print(f"  [{self.label}] {line}", end="", flush=True)
+
+    def reap(self) -> None:
+        self.popen.wait()
+        # Timed here, not in wait(): the runs end in any order.
+        self.seconds = time.perf_counter() - self.started
 
     def wait(self) -> int:
-        rc = self.popen.wait()
-        self.pump.join()
-        self.seconds = time.perf_counter() - self.started
-        return rc
-
-
-def _pump(stream: IO[str], label: str, log: Path, lock: threading.Lock) -> None:
-    with open(log, "w", encoding="utf-8") as f:
-        for line in stream:
-            f.write(line)
-            with lock:  # whole lines only: two runs print at the same time
-                print(f"  [{label}] {line}", end="", flush=True)
+        pump, reaper = self.threads
+        reaper.join()
+        # DataLoader workers of a SIGKILLed process hold its stdout open until they
+        # notice their parent is gone (up to 5 s); they print nothing, so don't wait.
+        pump.join(timeout=1.0)
+        assert self.popen.returncode is not None
+        return self.popen.returncode
 
 
 _print_lock = threading.Lock()
@@ -81,11 +90,14 @@ def start(label: str, workdir: Path, args: list[str]) -> Proc:
     popen = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env
     )
-    assert popen.stdout is not None
-    log = workdir / f"{label.strip().replace(' ', '-')}.log"
-    pump = threading.Thread(target=_pump, args=(popen.stdout, label, log, _print_lock), daemon=True)
-    pump.start()
-    return Proc(label, popen, pump)
+    proc = Proc(label, popen, workdir / f"{label.strip()}.log")
+    proc.threads = [
+        threading.Thread(target=proc.pump, daemon=True),
+        threading.Thread(target=proc.reap, daemon=True),
+    ]
+    for thread in proc.threads:
+        thread.start()
+    return proc
 
 
 def flatten(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -156,6 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--crash-at", type=int, default=190)
+    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument(
         "--crash-workers", type=int, default=0, help="DataLoader workers of the run that crashes"
     )
@@ -179,20 +192,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)
     workdir: Path = args.workdir.resolve()
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     ref_dir, run_dir = workdir / "reference", workdir / "interrupted"
     ref_out, resumed_out = workdir / "reference-final.pt", workdir / "resumed-final.pt"
-    common = [
-        "--steps",
-        str(args.steps),
-        "--every",
-        str(args.every),
-        "--log-every",
-        str(args.every),
-    ]
+    common = ["--steps", str(args.steps), "--every", str(args.every)]
+    common += ["--batch-size", str(args.batch_size)]
     # The last checkpoint the crashed run commits: its save of --crash-at never happens.
     expected_resume = (args.crash_at - 1) // args.every * args.every
 
@@ -260,14 +267,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(crash_saves)} + {len(resume_saves)}",
     )
     table.add_row(
-        "stall per save, median / max",
+        "save stall, median / max",
         stall_text(ref_saves),
         stall_text(crash_saves + resume_saves),
     )
     table.add_row(
         "bytes per checkpoint", size_text(ref_saves), size_text(crash_saves + resume_saves)
     )
-    table.add_row("crash", "-", f"SIGKILL after step {args.crash_at} (exit {crash_rc})")
+    table.add_row("SIGKILL", "-", f"after step {args.crash_at} (exit {crash_rc})")
     table.add_row("resumed from step", "-", str(resumed_from))
     table.add_row("DataLoader workers", "0", f"{args.crash_workers} then {args.resume_workers}")
     table.add_row(
@@ -293,9 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     console.print(f"demo took {total_s:.1f} s. Inspect the run:")
     rel = run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir
-    console.print(f"  stalwart ls {rel}            # committed checkpoints, sizes, metrics")
-    console.print(f"  stalwart inspect {rel}       # the newest manifest")
-    console.print(f"  less {rel}/events.jsonl     # every save, restore and deletion, with timings")
+    for line in (
+        f"  stalwart ls {rel}          # committed checkpoints, sizes, metrics",
+        f"  stalwart inspect {rel}     # the newest manifest",
+        f"  less {rel}/events.jsonl   # every save, restore and deletion, with timings",
+    ):
+        console.print(line)
 
     if args.summary_json is not None:
         summary = {

@@ -320,6 +320,19 @@ def test_an_iterable_dataset_is_refused() -> None:
         ResumableDataLoader(Stream(), batch_size=2)  # type: ignore[arg-type]
 
 
+def test_seeded_dataset_item_depends_only_on_its_key_and_leaves_the_callers_rng_alone() -> None:
+    seeded = SeededDataset(AugmentedDataset())
+    seed_everything(5)
+    before = capture_rng_state()
+    first = seeded[(3, 99)]
+    assert torch.equal(seeded[(3, 99)], first)
+    assert not torch.equal(seeded[(3, 100)], first)
+    after = capture_rng_state()
+    assert after["python"] == before["python"]
+    assert after["numpy"] == before["numpy"]
+    assert torch.equal(after["torch"], before["torch"])
+
+
 def test_seeded_dataset_forwards_attributes_and_needs_seeded_keys() -> None:
     seeded = SeededDataset(AugmentedDataset())
     assert seeded.n == N
@@ -395,12 +408,12 @@ def test_stateful_dataloader_resumes_the_training_loops_rng_too() -> None:
     """The data loader and capture_rng_state together: the loop's own draws continue as well."""
     make: Callable[[int], tuple[Any, SeededSampler]] = make_stateful
     seed_everything(1)
-    loader, sampler = make(2)
+    loader, _ = make(2)
     reference = []
     for batch in loader:
         reference.append(torch.cat([batch.flatten(), train_step_draws()]))
     seed_everything(1)
-    loader, sampler = make(2)
+    loader, _ = make(2)
     got = []
     it = iter(loader)
     for _ in range(2):

@@ -5,6 +5,12 @@ process dies, however it dies, so a stale lock of a SIGKILLed trainer is taken
 over by the next one without any guessing about pids. The file's content (pid,
 host, start time) is only there to make the error message useful.
 
+A flock belongs to the open file description, which ``fork`` shares with the
+child: DataLoader workers forked from the trainer would keep the lock alive after
+the trainer is killed, and the restarted trainer would find its own run locked.
+So every forked child closes its copy of the descriptor at once (the parent's
+copy keeps the lock); children started by ``exec`` never inherit it.
+
 flock works on local filesystems and on NFSv4 (as a byte-range lock); on
 filesystems where it does not, two writers are not detected.
 """
@@ -26,6 +32,21 @@ __all__ = ["LOCK_NAME", "RunLock"]
 
 LOCK_NAME = ".lock"
 logger = logging.getLogger("stalwart")
+
+_held: dict[int, RunLock] = {}
+
+
+def _close_in_child() -> None:
+    for fd, lock in list(_held.items()):
+        lock._fd = None
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class RunLock:
@@ -71,11 +92,13 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd = fd
+        _held[fd] = self
 
     def release(self) -> None:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        _held.pop(fd, None)
         try:
             os.ftruncate(fd, 0)
         except OSError:

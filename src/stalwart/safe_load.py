@@ -35,10 +35,12 @@ import io
 import os
 import pathlib
 import pickle
+import warnings
 from collections.abc import Callable
 from typing import IO, Any, ClassVar, cast
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -455,13 +457,18 @@ def safe_load(
     if not os.path.isdir(directory):
         raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
     reader = SafeFileSystemReader(directory)
+    single = process_group is None and not (dist.is_available() and dist.is_initialized())
     try:
-        dcp_load(
-            state_dict,
-            storage_reader=reader,
-            planner=SafeLoadPlanner(),
-            process_group=process_group,
-        )
+        with warnings.catch_warnings():
+            # DCP warns that it runs without a process group; for one process that is the intent.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+            dcp_load(
+                state_dict,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(),
+                process_group=process_group,
+                no_dist=single,
+            )
     except CheckpointException as exc:
         raise _convert_checkpoint_exception(exc, reader, directory) from exc
     # dcp.load falls back to a rank-local metadata file when .metadata fails to

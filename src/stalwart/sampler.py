@@ -268,9 +268,10 @@ class ResumableSampler(Sampler[int]):
         count = self._rank_count(start)
         if count == 0:
             return []
-        positions = torch.arange(
-            start + self.rank, start + count * self.world_size, self.world_size
-        ) % (self._len)
+        positions = (
+            torch.arange(start + self.rank, start + count * self.world_size, self.world_size)
+            % self._len
+        )
         if self.shuffle:
             positions = self._order(epoch)[positions]
         indices: list[int] = positions.tolist()
