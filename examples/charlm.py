@@ -208,10 +208,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # Settings that define the training run (what the manifest's config records). The
-# rest (paths, worker count, fault injection) may change between a run and its
-# resume without changing the result.
+# rest (paths, save frequency, worker count, fault injection) may change between a
+# run and its resume without changing the result.
 RUN_CONFIG = (
-    "steps", "every", "seed", "batch_size", "context", "d_model", "layers", "heads",
+    "steps", "seed", "batch_size", "context", "d_model", "layers", "heads",
     "dropout", "lr", "warmup",
 )  # fmt: skip
 

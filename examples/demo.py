@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     resumed_from = restores[-1]["step"] if restores else None
     if resumed_from != expected_resume:
         problems.append(f"resumed from step {resumed_from}, expected {expected_resume}")
-    n_tensors, differ = 0, []
+    n_tensors = 0
+    differ: list[str] = []
     if not problems:
         n_tensors, differ = compare(ref_out, resumed_out)
     exact = not problems and not differ

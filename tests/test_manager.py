@@ -285,3 +285,31 @@ def test_sigterm_sets_preempted_and_forces_the_next_save(tmp_path):
         assert ckpt.save(8, p.state)
         assert ckpt.all_steps() == [8]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def _warmup(step: int, *, warm: int) -> float:
+    return min(1.0, (step + 1) / warm)
+
+
+def test_scheduler_state_with_empty_containers_round_trips(tmp_path):
+    """LambdaLR over functools.partial saves lr_lambdas == [{}]; it must come back as is."""
+    import functools
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(_warmup, warm=10))
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    assert sched.state_dict()["lr_lambdas"] == [{}]
+    with stalwart.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(3, stalwart.TrainState(model=model, optimizer=opt, scheduler=sched, extra={"empty": {}}))
+    model2 = torch.nn.Linear(2, 2)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, functools.partial(_warmup, warm=10))
+    extra2: dict = {}
+    with stalwart.CheckpointManager(tmp_path) as ckpt:
+        state2 = stalwart.TrainState(model=model2, optimizer=opt2, scheduler=sched2, extra=extra2)
+        assert ckpt.restore(state2, strict=False) == 3
+    assert sched2.state_dict() == sched.state_dict()
+    assert extra2 == {"empty": {}}

@@ -1,21 +1,53 @@
-"""Rank, world size and small agreements across ranks; a leaf helper.
+"""Rank, world size, and the few collectives checkpointing needs; a leaf helper.
 
 Every function works without an initialized process group (a single process is
 rank 0 of a world of 1), so the single-process path needs no launcher.
+
+Checkpoint coordination runs on dedicated gloo groups with a timeout
+(``Coordinator``), never on the training group: a save can then neither
+deadlock with training collectives nor wait forever for a dead rank. A
+collective that fails (timeout, peer gone) raises ``CoordinationError`` and
+marks the coordinator broken, because after a timeout the ranks no longer agree
+on how many collectives each has run; the job must restart (torchrun does).
+
+``init_distributed`` and ``shutdown_distributed`` wrap torch.distributed's own
+init and teardown with the two fixes that make elastic restarts and clean exits
+reliable on gloo (see their docstrings). They add no launcher and no collective
+of their own.
 """
 
 from __future__ import annotations
 
+import datetime
+import gc
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
 import torch.distributed as dist
 
-__all__ = ["get_rank", "get_world_size", "is_distributed"]
+from stalwart.errors import CoordinationError
+
+__all__ = [
+    "Coordinator",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_distributed",
+    "shutdown_distributed",
+]
+
+logger = logging.getLogger("stalwart")
+T = TypeVar("T")
 
 
 def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
-    """True when torch.distributed is initialized (and ``group`` spans more than this process)."""
+    """True when torch.distributed is initialized (and this process is in ``group``)."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
-    return group is None or dist.get_world_size(group) >= 1
+    return group is None or dist.get_rank(group) >= 0
 
 
 def get_rank(group: dist.ProcessGroup | None = None) -> int:
@@ -24,3 +56,165 @@ def get_rank(group: dist.ProcessGroup | None = None) -> int:
 
 def get_world_size(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if is_distributed(group) else 1
+
+
+class Coordinator:
+    """Collectives for checkpointing: one gloo group, a timeout, and a broken flag.
+
+    A single process gets a coordinator without a group whose collectives are
+    identities. All methods are collective over the group: every rank calls
+    them in the same order, from one thread per coordinator.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, *, timeout: float, name: str) -> None:
+        self.group = group
+        self.timeout = timeout
+        self.name = name
+        self.rank = get_rank(group) if group is not None else 0
+        self.world_size = get_world_size(group) if group is not None else 1
+        self.broken: str | None = None
+
+    @classmethod
+    def create(
+        cls, process_group: dist.ProcessGroup | None, *, timeout: float, name: str
+    ) -> Coordinator:
+        """A coordinator over the ranks of ``process_group`` (the default group when None).
+
+        Collective when torch.distributed is initialized: every rank of the
+        default group must call it, in the same order (``new_group`` requires it).
+        """
+        if not is_distributed():
+            return cls(None, timeout=timeout, name=name)
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        group = dist.new_group(
+            ranks=ranks,
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        return cls(group, timeout=timeout, name=name)
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None and self.world_size > 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def _run(self, what: str, fn: Callable[[], T]) -> T:
+        if self.broken is not None:
+            raise CoordinationError(
+                f"checkpoint coordination ({self.name}) is unusable since an earlier collective "
+                f"failed ({self.broken}); restart the job (torchrun --max-restarts does) to recover"
+            )
+        try:
+            return fn()
+        except (RuntimeError, ValueError, OSError) as exc:
+            self.broken = f"{what}: {exc}".splitlines()[0]
+            raise CoordinationError(
+                f"checkpoint coordination ({self.name}) failed in {what} on rank {self.rank}: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__} "
+                f"(a rank died, hung past the {self.timeout:g} s timeout, or raised)"
+            ) from exc
+
+    def broadcast(self, obj: T) -> T:
+        """``obj`` of rank 0, on every rank."""
+        if not self.distributed:
+            return obj
+        box: list[Any] = [obj]
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self._run("broadcast", lambda: dist.broadcast_object_list(box, src=src, group=self.group))
+        return box[0]  # type: ignore[no-any-return]
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        self._run("all_gather", lambda: dist.all_gather_object(out, obj, group=self.group))
+        return out
+
+    def flags_max(self, *flags: bool) -> list[bool]:
+        """Element-wise OR of boolean flags across ranks: one small all-reduce."""
+        if not self.distributed:
+            return list(flags)
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        self._run("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
+        return [bool(v) for v in t.tolist()]
+
+    def barrier(self) -> None:
+        self.flags_max(True)
+
+    def destroy(self) -> None:
+        if self.group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(self.group)
+            except (RuntimeError, ValueError) as exc:
+                logger.debug("destroying the %s group failed: %s", self.name, exc)
+        self.group = None
+
+
+def init_distributed(backend: str | None = None, *, timeout: float = 1800.0) -> tuple[int, int]:
+    """``init_process_group`` from torchrun's environment that survives elastic restarts.
+
+    After torchrun restarts its workers (a rank was killed), a plain
+    ``init_process_group("gloo")`` can fail intermittently: gloo's full-mesh
+    connect reads the previous attempt's addresses from the store and dials
+    them ("Connection refused"). This builds the group on the agent's TCPStore
+    (``MASTER_ADDR``/``MASTER_PORT``) under a prefix keyed by
+    ``TORCHELASTIC_RESTART_COUNT``, so each attempt has a namespace of its own.
+
+    Returns ``(rank, world_size)``. Without torchrun's variables it initializes
+    nothing and returns ``(0, 1)``. ``backend`` defaults to nccl with CUDA, gloo
+    without. Call once per process, before building the model.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        host,
+        port,
+        world_size=world,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    prefixed = dist.PrefixStore(f"stalwart/{run_id}/attempt{attempt}", store)  # type: ignore[attr-defined]
+    dist.init_process_group(
+        backend,
+        store=prefixed,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    return rank, world
+
+
+def shutdown_distributed() -> None:
+    """End a distributed run in order: barrier, collect garbage, destroy the process group.
+
+    DDP or FSDP2 on gloo that exits without an orderly teardown aborts at exit
+    about one run in six ("terminate called without an active exception"), and
+    torchrun then reports a finished job as failed. Delete your references to
+    the wrapped model (``del model``) first, then call this on every rank. Safe
+    to call without a process group.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.barrier()
+    except RuntimeError as exc:
+        logger.warning("barrier at shutdown failed: %s", exc)
+    gc.collect()
+    dist.destroy_process_group()

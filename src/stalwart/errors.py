@@ -11,6 +11,7 @@ working::
     ├── UnsupportedFormatError(StalwartError, ValueError)
     ├── StateMismatchError(StalwartError, ValueError)
     ├── CheckpointSaveError(StalwartError, RuntimeError)
+    ├── CoordinationError(StalwartError, RuntimeError)   ranks could not agree in time
     └── RunLockedError(StalwartError, RuntimeError)
 
 Backend errors (``OSError`` from the filesystem, DCP's ``CheckpointException``,
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "CoordinationError",
     "RunLockedError",
     "StalwartError",
     "StateMismatchError",
@@ -44,12 +46,15 @@ class CheckpointNotFoundError(StalwartError, FileNotFoundError):
 class CheckpointCorruptError(StalwartError, ValueError):
     """A committed checkpoint whose files do not match its manifest, or whose manifest is unreadable.
 
-    ``path`` names the offending file when one is known.
+    ``path`` names the offending file when one is known. ``transient`` is True
+    when the file could not be read at all (an I/O error that may pass), as
+    opposed to content that is definitely wrong.
     """
 
-    def __init__(self, message: str, *, path: str | None = None) -> None:
+    def __init__(self, message: str, *, path: str | None = None, transient: bool = False) -> None:
         super().__init__(message)
         self.path = path
+        self.transient = transient
 
 
 class UnsafeCheckpointError(CheckpointCorruptError):
@@ -70,6 +75,14 @@ class StateMismatchError(StalwartError, ValueError):
 
 class CheckpointSaveError(StalwartError, RuntimeError):
     """A save failed; nothing was committed and earlier checkpoints are untouched."""
+
+
+class CoordinationError(StalwartError, RuntimeError):
+    """A checkpoint collective failed: a rank died, hung past the timeout, or raised.
+
+    After one, the ranks no longer agree on the sequence of collectives, so the
+    manager refuses further distributed saves; restart the job.
+    """
 
 
 class RunLockedError(StalwartError, RuntimeError):

@@ -17,8 +17,14 @@ from typing import Any
 
 import torch
 
-from stalwart import distributed
-from stalwart.errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointSaveError
+from stalwart.distributed import Coordinator
+from stalwart.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    CoordinationError,
+    StalwartError,
+)
 from stalwart.events import EVENTS_NAME, EventLog
 from stalwart.lock import RunLock
 from stalwart.manifest import Manifest, git_info, stable_hash, to_json_data
@@ -44,6 +50,22 @@ def _stalwart_version() -> str:
     from stalwart import __version__
 
     return __version__
+
+
+def _parallelism(state: TrainState) -> str:
+    """How the model is laid out across ranks, for the manifest."""
+    model = state.model
+    if model is None:
+        return "none"
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return "ddp"
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed tensors
+        return "replicated"
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return "fsdp2"
+    return "replicated"
 
 
 class CheckpointManager:
@@ -76,6 +98,16 @@ class CheckpointManager:
             ``save`` write a checkpoint whatever the policy says (so a preempted
             job loses nothing). The handlers are installed only in the main
             thread and removed by ``close``.
+        save_timeout: seconds a rank waits for the others in a checkpoint
+            collective. A rank that died or hung makes every other rank's save
+            fail with ``CheckpointSaveError`` after at most this long.
+
+    With torch.distributed initialized, every rank creates its manager (the
+    constructor is collective) and calls ``save`` and ``restore`` at the same
+    steps. Rank 0 of the group holds the directory lock, writes the manifest,
+    commits, applies retention and writes ``events.jsonl``; every rank writes its
+    own shard of the state. Coordination runs on dedicated gloo groups, never on
+    the training group.
     """
 
     def __init__(
@@ -92,6 +124,7 @@ class CheckpointManager:
         config: Any = None,
         process_group: Any = None,
         handle_signals: bool = True,
+        save_timeout: float = 600.0,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path, got {type(directory).__name__}")
@@ -102,35 +135,67 @@ class CheckpointManager:
                 f"durable={durable!r}: the durable object-store tier is not part of this stalwart "
                 "version; checkpoints stay in the local directory"
             )
-        if distributed.get_world_size(process_group) > 1:
-            raise NotImplementedError(
-                "multi-rank checkpointing is not part of this stalwart version; run with one process"
+        if not (isinstance(save_timeout, (int, float)) and save_timeout > 0):
+            raise ValueError(
+                f"save_timeout must be a positive number of seconds, got {save_timeout!r}"
             )
         self.directory = Path(directory)
         self.process_group = process_group
-        self.rank = distributed.get_rank(process_group)
-        self.world_size = distributed.get_world_size(process_group)
         self.metadata = to_json_data(dict(metadata or {}), what="metadata")
         self.config = None if config is None else to_json_data(config, what="config")
         self.config_hash = None if config is None else stable_hash(self.config)
-        self._prepare_directory()
-        self.storage = LocalStorage(self.directory)
+        # Collective from here on: every rank builds its manager in the same order.
+        self._coord = Coordinator.create(process_group, timeout=save_timeout, name="checkpoint")
+        # The background writer gets a group of its own: two threads must never
+        # interleave collectives on one group.
+        self._async_coord = (
+            Coordinator.create(process_group, timeout=save_timeout, name="async checkpoint")
+            if async_save
+            else None
+        )
+        self.rank = self._coord.rank
+        self.world_size = self._coord.world_size
+        self.is_leader = self._coord.is_leader
         self._lock = RunLock(self.directory)
-        self._lock.acquire()
-        self.events = EventLog(self.directory / EVENTS_NAME, rank=self.rank)
+        error: BaseException | None = None
+        try:
+            self._prepare_directory()
+            if self.is_leader:
+                self._lock.acquire()
+        except (OSError, StalwartError) as exc:
+            error = exc
+        reports = self._coord.all_gather(
+            None if error is None else f"{type(error).__name__}: {error}"
+        )
+        if error is not None:
+            self._coord.destroy()
+            raise error
+        for rank, report in enumerate(reports):
+            if report is not None:
+                self._lock.release()
+                raise CheckpointSaveError(f"rank {rank} cannot use {self.directory}: {report}")
+        self.storage = LocalStorage(self.directory)
+        self.events = EventLog(
+            self.directory / EVENTS_NAME if self.is_leader else None, rank=self.rank
+        )
         self._saver = AsyncSaver() if async_save else None
         self.async_save = async_save
         self._closed = False
         self._last_save_time = time.monotonic()
         self._last_saved_step: int | None = None
+        self._hosts: list[str] | None = None
+        self.resharded: bool | None = None
+        """After ``restore``: True when the checkpoint was written at another world size."""
         self._code = git_info(sys.argv[0] if sys.argv and sys.argv[0] else os.getcwd())
-        self._preempted = threading.Event()
+        self._signalled = threading.Event()
+        self._preempted = False
         self._old_handlers: dict[int, Any] = {}
         if handle_signals:
             self._install_signal_handlers()
         self.events.emit(
             "open",
             directory=str(self.directory),
+            world_size=self.world_size,
             async_save=async_save,
             every_steps=every_steps,
             every_seconds=every_seconds,
@@ -172,14 +237,22 @@ class CheckpointManager:
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         # Only set a flag: the handler runs between bytecodes of the training loop,
         # and saving from here could interleave with a half-done optimizer step.
-        self._preempted.set()
+        self._signalled.set()
 
     # ---------------------------------------------------------------- queries
 
     @property
     def preempted(self) -> bool:
-        """True once a preemption signal arrived; the loop should save and stop."""
-        return self._preempted.is_set()
+        """True once a preemption signal reached any rank; the loop should stop.
+
+        In a single process it turns true as soon as the signal arrives. With
+        several ranks it turns true on every rank at the same ``save`` call (the
+        ranks agree on it there, with one small all-reduce), after that call
+        wrote the emergency checkpoint.
+        """
+        if not self._coord.distributed:
+            return self._preempted or self._signalled.is_set()
+        return self._preempted
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first (not verified; ``restore`` verifies)."""
@@ -190,8 +263,11 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def should_save(self, step: int) -> bool:
-        """Whether ``save(step)`` would write (policy or a pending preemption)."""
-        if self.preempted:
+        """Whether the policy (or a pending preemption) asks for a save at ``step``, on this rank.
+
+        Local and cheap; ``save`` decides with all ranks together.
+        """
+        if self._preempted or self._signalled.is_set():
             return True
         since = time.monotonic() - self._last_save_time
         return self.save_policy.due(step, seconds_since_last=since)
@@ -219,12 +295,26 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if not isinstance(state, TrainState):
             raise TypeError(f"state must be a stalwart.TrainState, got {type(state).__name__}")
-        if not (force or self.should_save(step)):
-            return False
         metrics_json = to_json_data(dict(metrics or {}), what="metrics")
-        if self._saver is not None and self._saver.busy is False:
+        if self._saver is not None and not self._saver.busy:
             self._saver.wait()  # surface a failure of the previous background save now
-        if step == self._last_saved_step or step in self.storage.committed_steps():
+        try:
+            signalled, due = self._coord.flags_max(
+                self._signalled.is_set(), force or self.should_save(step)
+            )
+        except CoordinationError as exc:
+            raise CheckpointSaveError(f"saving step {step} failed: {exc}") from exc
+        emergency = signalled and not self._preempted
+        if signalled:
+            self._preempted = True
+        if not (due or emergency):
+            return False
+        exists = step == self._last_saved_step or step in self.storage.committed_steps()
+        try:
+            exists = self._coord.broadcast(exists)
+        except CoordinationError as exc:
+            raise CheckpointSaveError(f"saving step {step} failed: {exc}") from exc
+        if exists:
             self.events.emit(
                 "save_skipped",
                 logging.WARNING,
@@ -234,7 +324,54 @@ class CheckpointManager:
             return False
         t0 = time.perf_counter()
         state_dict = state.state_dict()
-        manifest = Manifest(
+        manifest = self._manifest(step, state, metrics_json)
+        self._last_saved_step = step
+        self._last_save_time = time.monotonic()
+        if self._saver is None:
+            try:
+                result = write_and_commit(
+                    self.storage, state_dict, manifest, coordinator=self._coord
+                )
+            except CheckpointSaveError as exc:
+                self.events.emit("save_failed", logging.ERROR, step=step, error=str(exc))
+                self._last_saved_step = None
+                raise
+            stall = time.perf_counter() - t0
+            self._after_commit(
+                result, stall_s=stall, stage_s=0.0, total_s=stall, emergency=emergency
+            )
+            return True
+        staged = stage_state_dict(state_dict)
+        del state_dict
+        stall = time.perf_counter() - t0
+        coord = self._async_coord
+
+        def job() -> SaveResult:
+            try:
+                result = write_and_commit(self.storage, staged, manifest, coordinator=coord)
+            except CheckpointSaveError as exc:
+                self.events.emit("save_failed", logging.ERROR, step=step, error=str(exc))
+                raise
+            self._after_commit(
+                result,
+                stall_s=stall,
+                stage_s=stall,
+                total_s=time.perf_counter() - t0,
+                emergency=emergency,
+            )
+            return result
+
+        self._saver.submit(job)
+        if emergency:
+            # A preempted job may be killed at any moment after the grace period:
+            # make the emergency checkpoint durable before returning.
+            self._saver.wait()
+        return True
+
+    def _manifest(self, step: int, state: TrainState, metrics: dict[str, Any]) -> Manifest:
+        if self._hosts is None:
+            self._hosts = self._coord.all_gather(socket.gethostname())
+        return Manifest(
             step=step,
             files=[],
             world_size=self.world_size,
@@ -249,45 +386,19 @@ class CheckpointManager:
                 "python": platform.python_version(),
             },
             hostname=socket.gethostname(),
-            metrics=metrics_json,
+            metrics=metrics,
             topology={
                 "world_size": self.world_size,
-                "ranks": {"0": {"host": socket.gethostname()}},
+                "parallelism": _parallelism(state),
+                "hosts": {str(r): h for r, h in enumerate(self._hosts)},
             },
         )
-        self._last_saved_step = step
-        self._last_save_time = time.monotonic()
-        if self._saver is None:
-            try:
-                result = write_and_commit(self.storage, state_dict, manifest)
-            except CheckpointSaveError as exc:
-                self.events.emit("save_failed", logging.ERROR, step=step, error=str(exc))
-                self._last_saved_step = None
-                raise
-            stall = time.perf_counter() - t0
-            self._after_commit(result, stall_s=stall, stage_s=0.0, total_s=stall)
-            return True
-        staged = stage_state_dict(state_dict)
-        del state_dict
-        stall = time.perf_counter() - t0
-
-        def job() -> SaveResult:
-            try:
-                result = write_and_commit(self.storage, staged, manifest)
-            except CheckpointSaveError as exc:
-                self.events.emit("save_failed", logging.ERROR, step=step, error=str(exc))
-                raise
-            self._after_commit(
-                result, stall_s=stall, stage_s=stall, total_s=time.perf_counter() - t0
-            )
-            return result
-
-        self._saver.submit(job)
-        return True
 
     def _after_commit(
-        self, result: SaveResult, *, stall_s: float, stage_s: float, total_s: float
+        self, result: SaveResult, *, stall_s: float, stage_s: float, total_s: float, emergency: bool
     ) -> None:
+        if not self.is_leader:
+            return
         self.events.emit(
             "save",
             step=result.step,
@@ -301,6 +412,7 @@ class CheckpointManager:
             throughput_MBps=round(
                 result.bytes / 1e6 / max(result.write_s + result.checksum_s, 1e-9), 1
             ),
+            emergency=emergency,
             **result.timings(),
         )
         self._apply_retention()
@@ -335,8 +447,19 @@ class CheckpointManager:
         if not isinstance(state, TrainState):
             raise TypeError(f"state must be a stalwart.TrainState, got {type(state).__name__}")
         self.wait()
+        try:
+            return self._restore(state, step=step, strict=strict)
+        except CoordinationError as exc:
+            raise CheckpointCorruptError(
+                f"restoring from {self.directory} failed: {exc}", transient=True
+            ) from exc
+
+    def _restore(self, state: TrainState, *, step: int | None, strict: bool) -> int | None:
+        # The leader lists the run once, so every rank walks the same candidates.
         entries = self.storage.scan()
-        committed = [e.step for e in entries if e.status == "committed" and e.step is not None]
+        committed = self._coord.broadcast(
+            [e.step for e in entries if e.status == "committed" and e.step is not None]
+        )
         if step is not None:
             if step not in committed:
                 shown = ", ".join(map(str, committed[-10:])) or "none"
@@ -350,7 +473,7 @@ class CheckpointManager:
             path = self.storage.step_path(candidate)
             t0 = time.perf_counter()
             try:
-                manifest = load_checkpoint(path, state, strict=strict)
+                manifest = load_checkpoint(path, state, strict=strict, coordinator=self._coord)
             except CheckpointCorruptError as exc:
                 self.events.emit(
                     "restore_skipped",
@@ -361,7 +484,7 @@ class CheckpointManager:
                 )
                 if step is not None:
                     raise
-                if not isinstance(exc.__cause__, OSError):
+                if self.is_leader and not exc.transient:
                     # Definitely bad content (not a transient read error): move it aside so
                     # retention and later saves of this step are not confused by it.
                     aside = self.storage.quarantine(candidate)
@@ -369,13 +492,15 @@ class CheckpointManager:
                 continue
             elapsed = time.perf_counter() - t0
             newer = [s for s in committed if s > candidate]
+            self.resharded = manifest.world_size != self.world_size
             self.events.emit(
                 "restore",
                 step=candidate,
                 seconds=round(elapsed, 6),
                 bytes=manifest.total_bytes,
-                world_size=manifest.world_size,
-                exact=manifest.world_size == self.world_size,
+                saved_world_size=manifest.world_size,
+                world_size=self.world_size,
+                exact=not self.resharded,
                 newer_steps=newer,
             )
             self._last_save_time = time.monotonic()
@@ -410,6 +535,9 @@ class CheckpointManager:
             self._old_handlers.clear()
             self._lock.release()
             self.events.emit("close")
+            for coord in (self._coord, self._async_coord):
+                if coord is not None:
+                    coord.destroy()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -11,22 +11,28 @@ import concurrent.futures
 import copy
 import dataclasses
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from stalwart.distributed import Coordinator
 from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointSaveError,
+    CoordinationError,
     StalwartError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+    UnsupportedFormatError,
 )
 from stalwart.manifest import MANIFEST_NAME, FileEntry, Manifest, hash_file
 from stalwart.safe_load import read_dcp_metadata, safe_load
@@ -44,7 +50,9 @@ __all__ = [
     "write_and_commit",
 ]
 
+T = TypeVar("T")
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+_DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -103,21 +111,35 @@ def stage_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return staged
 
 
-def _checksum_files(directory: Path) -> list[FileEntry]:
-    """Hash and fsync every file under ``directory`` (DCP fsyncs too; this proves it on our side)."""
+def _owned(name: str, rank: int | None, leader: bool) -> bool:
+    """Whether this rank wrote ``name``: DCP names rank r's data files ``__{r}_*``."""
+    if rank is None:
+        return True
+    m = _DATA_FILE.match(name)
+    return int(m.group(1)) == rank if m else leader
+
+
+def _checksum_files(
+    directory: Path, *, rank: int | None = None, leader: bool = True
+) -> list[FileEntry]:
+    """Hash and fsync the files of ``directory`` this rank wrote (all of them when ``rank`` is None).
+
+    DCP fsyncs too; this proves it on our side, while the bytes are still in the page cache.
+    """
     entries = []
     for root, _dirs, files in os.walk(directory):
         for name in files:
             path = Path(root) / name
+            rel = path.relative_to(directory).as_posix()
+            if not _owned(rel, rank, leader):
+                continue
             size, digest = hash_file(path)
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            entries.append(
-                FileEntry(path=path.relative_to(directory).as_posix(), size=size, xxh3_128=digest)
-            )
+            entries.append(FileEntry(path=rel, size=size, xxh3_128=digest))
     entries.sort(key=lambda e: e.path)
     return entries
 
@@ -144,50 +166,128 @@ def write_and_commit(
     state_dict: dict[str, Any],
     manifest: Manifest,
     *,
+    coordinator: Coordinator | None = None,
     before_commit: Callable[[Path], None] | None = None,
 ) -> SaveResult:
     """Write ``state_dict`` with DCP into a fresh staging directory and commit it.
 
-    On any failure the staging directory is removed and ``CheckpointSaveError``
-    raised with the cause chained; earlier checkpoints are never touched.
-    ``before_commit`` runs between checksumming and commit (tests use it to
-    crash there).
+    Collective over ``coordinator`` (every rank calls it with its own shard of
+    the state; a single process passes None). The leader creates the staging
+    directory and commits; every rank writes, fsyncs and checksums its own
+    files. On any failure, on any rank, every rank raises ``CheckpointSaveError``
+    (cause chained), the staging directory is removed and nothing is committed;
+    earlier checkpoints are never touched. A dead or hung rank makes the others
+    fail after the coordinator's timeout instead of waiting forever.
+    ``before_commit`` runs on the leader between checksumming and commit.
     """
-    staging: Path | None = None
+    coord = coordinator if coordinator is not None else Coordinator(None, timeout=0.0, name="local")
     try:
-        staging = storage.begin(manifest.step)
-        t0 = time.perf_counter()
-        writer = FileSystemWriter(staging, single_file_per_rank=True, sync_files=True)
+        return _write_and_commit(storage, state_dict, manifest, coord, before_commit)
+    except CoordinationError as exc:
+        raise CheckpointSaveError(f"saving step {manifest.step} failed: {exc}") from exc
+
+
+def _write_and_commit(
+    storage: CheckpointStorage,
+    state_dict: dict[str, Any],
+    manifest: Manifest,
+    coord: Coordinator,
+    before_commit: Callable[[Path], None] | None,
+) -> SaveResult:
+    step = manifest.step
+    cause: BaseException | None = None
+
+    # 1. The leader creates the staging directory; every rank learns its name.
+    name: str | None = None
+    error: str | None = None
+    if coord.is_leader:
         try:
+            name = storage.begin(step).name
+        except OSError as exc:
+            error, cause = f"cannot create the staging directory: {exc}", exc
+    name, error = coord.broadcast((name, error))
+    if name is None:
+        raise CheckpointSaveError(f"saving step {step} failed: {error}") from cause
+    staging = storage.path_of(name)
+    try:
+        return _write_staged(storage, state_dict, manifest, coord, before_commit, staging)
+    except CoordinationError:
+        if coord.is_leader:
+            # The others may still be writing; a leftover file in a hidden staging
+            # directory is harmless (never restored, swept by gc).
+            storage.abort(staging)
+        raise
+
+
+def _write_staged(
+    storage: CheckpointStorage,
+    state_dict: dict[str, Any],
+    manifest: Manifest,
+    coord: Coordinator,
+    before_commit: Callable[[Path], None] | None,
+    staging: Path,
+) -> SaveResult:
+    step = manifest.step
+    cause: BaseException | None = None
+    error: str | None = None
+
+    # 2. Every rank writes its part, fsyncs it and checksums what it wrote.
+    t0 = time.perf_counter()
+    entries: list[FileEntry] = []
+    t1 = t0
+    try:
+        try:
+            writer = FileSystemWriter(staging, single_file_per_rank=True, sync_files=True)
             with warnings.catch_warnings():
                 # DCP warns that it runs without a process group; here that is the intent.
                 warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-                dcp_save(state_dict, storage_writer=writer, no_dist=True)
+                dcp_save(
+                    state_dict,
+                    storage_writer=writer,
+                    process_group=coord.group,
+                    no_dist=not coord.distributed,
+                )
         except CheckpointException as exc:
-            raise CheckpointSaveError(
-                f"writing step {manifest.step} failed: {_first_failure(exc)}"
-            ) from exc
+            raise CheckpointSaveError(_first_failure(exc)) from exc
         t1 = time.perf_counter()
-        manifest.files = _checksum_files(staging)
-        t2 = time.perf_counter()
-        if before_commit is not None:
-            before_commit(staging)
-        final = commit_checkpoint(storage, staging, manifest)
-        staging = None
-        t3 = time.perf_counter()
-    except CheckpointSaveError:
-        if staging is not None:
-            storage.abort(staging)
-        raise
+        entries = _checksum_files(
+            staging, rank=coord.rank if coord.distributed else None, leader=coord.is_leader
+        )
     except (OSError, StalwartError, ValueError, TypeError, RuntimeError) as exc:
-        if staging is not None:
+        error, cause = f"{type(exc).__name__}: {exc}", exc
+    t2 = time.perf_counter()
+    reports = coord.all_gather((entries, error))
+    failed = [(rank, err) for rank, (_e, err) in enumerate(reports) if err is not None]
+    if failed:
+        if coord.is_leader:
             storage.abort(staging)
-        raise CheckpointSaveError(f"saving step {manifest.step} failed: {exc}") from exc
+        rank, err = failed[0]
+        where = f" on rank {rank}" if coord.distributed else ""
+        raise CheckpointSaveError(f"saving step {step} failed{where}: {err}") from cause
+
+    # 3. The leader commits (THE COMMIT PROTOCOL); every rank learns the outcome.
+    final_name: str | None = None
+    if coord.is_leader:
+        manifest.files = sorted(
+            (e for rank_entries, _ in reports for e in rank_entries), key=lambda e: e.path
+        )
+        try:
+            if before_commit is not None:
+                before_commit(staging)
+            final_name = commit_checkpoint(storage, staging, manifest).name
+        except (OSError, StalwartError, ValueError) as exc:
+            storage.abort(staging)
+            error, cause = f"{type(exc).__name__}: {exc}", exc
+    final_name, error = coord.broadcast((final_name, error))
+    if final_name is None:
+        raise CheckpointSaveError(f"committing step {step} failed: {error}") from cause
+    t3 = time.perf_counter()
+    files = [e for rank_entries, _ in reports for e in rank_entries]
     return SaveResult(
-        step=manifest.step,
-        path=final,
-        bytes=manifest.total_bytes,
-        files=len(manifest.files),
+        step=step,
+        path=storage.path_of(final_name),
+        bytes=sum(e.size for e in files),
+        files=len(files),
         write_s=t1 - t0,
         checksum_s=t2 - t1,
         commit_s=t3 - t2,
@@ -198,6 +298,18 @@ def _first_failure(exc: CheckpointException) -> str:
     for rank, (inner, _trace) in sorted(exc.failures.items()):
         return f"rank {rank}: {type(inner).__name__}: {inner}"
     return str(exc)
+
+
+_ERROR_TYPES: dict[str, type[StalwartError]] = {
+    cls.__name__: cls
+    for cls in (
+        CheckpointCorruptError,
+        CheckpointNotFoundError,
+        StateMismatchError,
+        UnsafeCheckpointError,
+        UnsupportedFormatError,
+    )
+}
 
 
 class AsyncSaver:
@@ -257,15 +369,19 @@ def read_manifest(path: Path) -> Manifest:
         ) from exc
     except OSError as exc:
         raise CheckpointCorruptError(
-            f"{manifest_path}: cannot read ({exc})", path=str(manifest_path)
+            f"{manifest_path}: cannot read ({exc})", path=str(manifest_path), transient=True
         ) from exc
     return Manifest.from_json(text, source=str(manifest_path))
 
 
-def verify_checkpoint(path: Path, *, checksums: bool = True) -> Manifest:
+def verify_checkpoint(
+    path: Path, *, checksums: bool = True, part: tuple[int, int] = (0, 1)
+) -> Manifest:
     """Check every file against the manifest (size, then xxh3-128) before anything is deserialized.
 
-    Raises ``CheckpointCorruptError`` naming the first bad file.
+    ``part=(rank, world_size)`` checksums only every world_size-th file, so that
+    ranks share the reading; sizes are always checked for all files. Raises
+    ``CheckpointCorruptError`` naming the first bad file.
     """
     manifest = read_manifest(path)
     for entry in manifest.files:
@@ -277,20 +393,23 @@ def verify_checkpoint(path: Path, *, checksums: bool = True) -> Manifest:
                 f"{file}: missing (listed in the manifest)", path=str(file)
             ) from exc
         except OSError as exc:
-            raise CheckpointCorruptError(f"{file}: cannot read ({exc})", path=str(file)) from exc
+            raise CheckpointCorruptError(
+                f"{file}: cannot read ({exc})", path=str(file), transient=True
+            ) from exc
         if size != entry.size:
             raise CheckpointCorruptError(
                 f"{file}: size {size} bytes, manifest says {entry.size} (truncated or overwritten)",
                 path=str(file),
             )
     if checksums:
-        for entry in manifest.files:
+        rank, world = part
+        for entry in manifest.files[rank::world]:
             file = path / entry.path
             try:
                 _size, digest = hash_file(file)
             except OSError as exc:
                 raise CheckpointCorruptError(
-                    f"{file}: cannot read ({exc})", path=str(file)
+                    f"{file}: cannot read ({exc})", path=str(file), transient=True
                 ) from exc
             if digest != entry.xxh3_128:
                 raise CheckpointCorruptError(
@@ -301,11 +420,58 @@ def verify_checkpoint(path: Path, *, checksums: bool = True) -> Manifest:
     return manifest
 
 
-def load_checkpoint(path: Path, state: TrainState, *, strict: bool = True) -> Manifest:
-    """Verify, then load the checkpoint at ``path`` into ``state`` without running checkpoint code."""
-    manifest = verify_checkpoint(path)
-    metadata = read_dcp_metadata(path)
-    target = state.load_target(metadata, strict=strict)
-    safe_load(target, path)
-    state.load_state_dict(target, strict=strict)
+def _agree(coord: Coordinator, what: Callable[[], T]) -> T:
+    """Run ``what`` on every rank; if it raised a stalwart error on any rank, raise it on all."""
+    result: Any = None
+    report: tuple[str, str, str | None, bool] | None = None
+    local: StalwartError | None = None
+    try:
+        result = what()
+    except StalwartError as exc:
+        local = exc
+        report = (
+            type(exc).__name__,
+            str(exc),
+            getattr(exc, "path", None),
+            bool(getattr(exc, "transient", False)),
+        )
+    reports = coord.all_gather(report)
+    for rank, rep in enumerate(reports):
+        if rep is None:
+            continue
+        if local is not None and rank == coord.rank:
+            raise local
+        kind, message, path, transient = rep
+        cls = _ERROR_TYPES.get(kind, CheckpointCorruptError)
+        if issubclass(cls, CheckpointCorruptError):
+            raise cls(f"rank {rank}: {message}", path=path, transient=transient)
+        raise cls(f"rank {rank}: {message}")
+    return result  # type: ignore[no-any-return]
+
+
+def load_checkpoint(
+    path: Path, state: TrainState, *, strict: bool = True, coordinator: Coordinator | None = None
+) -> Manifest:
+    """Verify, then load the checkpoint at ``path`` into ``state`` without running checkpoint code.
+
+    Collective over ``coordinator``: ranks share the checksumming, and an error
+    found by any rank (corruption, unsafe content, mismatched keys) is raised on
+    every rank, before anything live is modified.
+    """
+    coord = coordinator if coordinator is not None else Coordinator(None, timeout=0.0, name="local")
+
+    def check_files() -> tuple[Manifest, Any]:
+        manifest = verify_checkpoint(path, part=(coord.rank, coord.world_size))
+        return manifest, read_dcp_metadata(path)
+
+    manifest, metadata = _agree(coord, check_files)
+    group = coord.group if coord.distributed else None
+    blobs = state.blob_target(metadata)
+    if blobs:
+        _agree(coord, lambda: safe_load(blobs, path, process_group=group))
+    _agree(coord, lambda: state.check(metadata, blobs, strict=strict))
+    native = state.native_target(metadata, strict=strict)
+    if native:
+        safe_load(native, path, process_group=group)
+    state.load_state_dict({**blobs, **native}, strict=strict)
     return manifest

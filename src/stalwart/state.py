@@ -11,11 +11,19 @@ The state dict has one section per component::
      "<name>": ...,                         # any other Stateful passed by keyword
      "_stalwart": {...}}                    # bookkeeping of TrainState itself
 
+Model and optimizer are handed to DCP as they are: their tensors are written
+as tensors, each rank writes its own shards, and a restore at another world
+size reshards them. Every other section is a *blob*: its state dict, moved to
+CPU and wrapped in a 1-tuple, which DCP's traversal keeps whole and stores as
+one entry. A blob comes back exactly as it was saved (empty dicts and lists,
+integer keys and nesting included), which DCP's per-key flattening would not
+guarantee (it drops empty containers).
+
 Non-tensor values must be plain data (None, bool, int, float, str, bytes, and
-lists, tuples and string-keyed dicts of them). That is what makes loading safe:
-stalwart reads them back with ``torch.load(weights_only=True)``, which cannot
-construct arbitrary objects, so a checkpoint can never run code. Anything else
-is refused at save time with the key that holds it.
+lists, tuples and dicts of them). That is what makes loading safe: stalwart
+reads them back with ``torch.load(weights_only=True)``, which cannot construct
+arbitrary objects, so a checkpoint can never run code. Anything else is refused
+at save time with the key that holds it.
 """
 
 from __future__ import annotations
@@ -49,10 +57,8 @@ logger = logging.getLogger("stalwart")
 
 _BUILTIN_SECTIONS = ("model", "optimizer", "scheduler", "scaler", "data", "rng", "extra")
 _META = "_stalwart"
-# Sections whose structure is the component's own business and may legitimately
-# differ between save and restore (worker counts, device counts): they are
-# loaded in the shape the checkpoint has and handed to the component as is.
-_OPAQUE_SECTIONS = ("data", "rng", _META)
+# Written as DCP tensors (sharded, resharded on load); every other section is a blob.
+_NATIVE = ("model", "optimizer")
 _PLAIN_LEAVES = (type(None), bool, int, float, str, bytes, torch.dtype, torch.Size)
 
 
@@ -151,9 +157,13 @@ class TrainState:
     # ------------------------------------------------------------------ saving
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole state, referencing live tensors (copy before mutating them)."""
+        """The whole state: live model/optimizer tensors, CPU copies of everything else.
+
+        Model and optimizer go to DCP as they are (sharded tensors stay sharded);
+        every other section is one blob (see the module docstring).
+        """
         sd: dict[str, Any] = {}
-        meta: dict[str, Any] = {"sections": []}
+        meta: dict[str, Any] = {}
         if self.model is not None:
             if self.optimizers:
                 fresh = [not opt.state for opt in self.optimizers]
@@ -169,15 +179,15 @@ class TrainState:
             else:
                 model_sd = get_model_state_dict(self.model)
             sd["model"] = model_sd
+            _check_plain(sd, "")
         for name, obj in self.components.items():
-            sd[name] = obj.state_dict()
+            sd[name] = _blob(obj.state_dict(), f"[{name!r}]")
         if self.rng:
-            sd["rng"] = {f"rank_{distributed.get_rank()}": capture_rng_state()}
+            sd["rng"] = {f"rank_{distributed.get_rank()}": _blob(capture_rng_state(), "['rng']")}
         if self.extra is not None:
-            sd["extra"] = dict(self.extra)
+            sd["extra"] = _blob(dict(self.extra), "['extra']")
         meta["sections"] = sorted(sd)
-        sd[_META] = meta
-        _check_plain(sd)
+        sd[_META] = _blob(meta, f"[{_META!r}]")
         return sd
 
     @property
@@ -190,73 +200,19 @@ class TrainState:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     # --------------------------------------------------------------- restoring
+    #
+    # A restore loads in two phases so that nothing live is touched before the
+    # checkpoint is known to fit: first the small blob sections into fresh
+    # placeholders (``blob_target``), then ``check``, then model and optimizer
+    # into the live tensors (``native_target``), then ``apply``.
 
-    def load_target(self, metadata: Metadata, *, strict: bool = True) -> dict[str, Any]:
-        """The state dict to fill from a checkpoint with ``metadata``.
-
-        Model and optimizer tensors are the live ones (so sharded models load in
-        place); other sections take the checkpoint's own structure. With
-        ``strict``, the keys of each section must match the checkpoint's exactly.
-        """
-        saved = set(metadata.state_dict_metadata)
-        saved_sections = {k.split(".", 1)[0] for k in saved}
+    def blob_target(self, metadata: Metadata) -> dict[str, Any]:
+        """Placeholders for every non-model, non-optimizer entry of the checkpoint."""
         target: dict[str, Any] = {}
-        live: dict[str, Any] = {}
-        if self.model is not None:
-            if self.optimizers:
-                live["model"], live["optimizer"] = get_state_dict(self.model, self._optim_arg())
-            else:
-                live["model"] = get_model_state_dict(self.model)
-        for name, obj in self.components.items():
-            if name not in _OPAQUE_SECTIONS:
-                live[name] = obj.state_dict()
-        if self.extra is not None:
-            live["extra"] = dict(self.extra)
-
-        problems: list[str] = []
-        wanted = set(live) | set(self.components) | ({"rng"} if self.rng else set())
-        for name in sorted(wanted - saved_sections):
-            if name == "rng" or not strict:
+        for key, md in metadata.state_dict_metadata.items():
+            if key.split(".", 1)[0] in _NATIVE:
                 continue
-            if name in live and not flat_keys(live[name]):
-                continue  # an empty section (a disabled GradScaler) saves no keys
-            problems.append(f"the state has {name!r} but the checkpoint does not")
-        for name in sorted(saved_sections - wanted - {_META}):
-            if strict:
-                problems.append(f"the checkpoint has {name!r} but the state does not")
-
-        for name, tree in live.items():
-            have = flat_keys(tree, name)
-            want = {k for k in saved if k.split(".", 1)[0] == name}
-            if strict and have != want:
-                missing, unexpected = sorted(want - have), sorted(have - want)
-                if missing:
-                    problems.append(
-                        f"keys in the checkpoint but not in the state: {_preview(missing)}"
-                    )
-                if unexpected:
-                    problems.append(
-                        f"keys in the state but not in the checkpoint: {_preview(unexpected)}"
-                    )
-        if problems:
-            raise StateMismatchError(
-                "the checkpoint does not match the state to restore: "
-                + "; ".join(problems)
-                + ". Restore into a state built like the one that was saved, or pass strict=False "
-                "to load only the keys both have."
-            )
-
-        for name in ("model", "optimizer"):
-            if name in live and (strict or name in saved_sections):
-                target[name] = live[name] if strict else _only_saved(live[name], name, saved)
-        for key in sorted(saved):
-            section = key.split(".", 1)[0]
-            if section in ("model", "optimizer") or section not in (wanted | {_META}):
-                continue
-            path = (metadata.planner_data or {}).get(key)
-            if path is None:
-                path = tuple(key.split("."))
-            md = metadata.state_dict_metadata[key]
+            path = (metadata.planner_data or {}).get(key) or tuple(key.split("."))
             if isinstance(md, TensorStorageMetadata):
                 placeholder: Any = torch.empty(tuple(md.size), dtype=md.properties.dtype)
             else:
@@ -265,16 +221,84 @@ class TrainState:
             set_element(target, path, placeholder)
         return target
 
+    def check(self, metadata: Metadata, blobs: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Raise ``StateMismatchError`` when the state and the checkpoint differ in keys (strict)."""
+        if not strict:
+            return
+        saved = set(metadata.state_dict_metadata)
+        saved_sections = {k.split(".", 1)[0] for k in saved} - {_META}
+        live_native = self._live_native()
+        wanted = (
+            set(live_native)
+            | set(self.components)
+            | ({"rng"} if self.rng else set())
+            | ({"extra"} if self.extra is not None else set())
+        )
+        problems: list[str] = []
+        for name in sorted(wanted - saved_sections):
+            if name == "rng" or (name in live_native and not flat_keys(live_native[name])):
+                continue  # RNG may be absent (rng=False at save); an empty section saves no keys
+            problems.append(f"the state has {name!r} but the checkpoint does not")
+        for name in sorted(saved_sections - wanted):
+            problems.append(f"the checkpoint has {name!r} but the state does not")
+        found: dict[str, tuple[set[str], set[str]]] = {}
+        for name, tree in live_native.items():
+            found[name] = (flat_keys(tree, name), {k for k in saved if k.split(".", 1)[0] == name})
+        for name in (*self.components, "extra"):
+            # The data source's state legitimately changes shape with worker counts.
+            if name == "data" or name not in blobs:
+                continue
+            live = self.extra if name == "extra" else self.components[name].state_dict()
+            if live is None:
+                continue
+            loaded = _unblob(blobs[name])
+            if isinstance(live, Mapping) and isinstance(loaded, Mapping):
+                found[name] = ({f"{name}.{k}" for k in live}, {f"{name}.{k}" for k in loaded})
+        for have, want in found.values():
+            missing, unexpected = sorted(want - have), sorted(have - want)
+            if missing:
+                problems.append(f"keys in the checkpoint but not in the state: {_preview(missing)}")
+            if unexpected:
+                problems.append(
+                    f"keys in the state but not in the checkpoint: {_preview(unexpected)}"
+                )
+        if problems:
+            raise StateMismatchError(
+                "the checkpoint does not match the state to restore: "
+                + "; ".join(problems)
+                + ". Restore into a state built like the one that was saved, or pass strict=False "
+                "to load only the keys both have."
+            )
+
+    def native_target(self, metadata: Metadata, *, strict: bool = True) -> dict[str, Any]:
+        """The live model and optimizer state dicts to load in place (only saved keys unless strict)."""
+        saved = set(metadata.state_dict_metadata)
+        saved_sections = {k.split(".", 1)[0] for k in saved}
+        live = self._live_native()
+        return {
+            name: tree if strict else _only_saved(tree, name, saved)
+            for name, tree in live.items()
+            if name in saved_sections
+        }
+
+    def _live_native(self) -> dict[str, Any]:
+        if self.model is None:
+            return {}
+        if self.optimizers:
+            model_sd, optim_sd = get_state_dict(self.model, self._optim_arg())
+            return {"model": model_sd, "optimizer": optim_sd}
+        return {"model": get_model_state_dict(self.model)}
+
     def load_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
-        """Put a full state dict (as produced by ``state_dict``) back into the live objects."""
-        meta = state_dict.get(_META) or {}
+        """Put a state dict (as produced by ``state_dict``) back into the live objects."""
+        meta = _unblob(state_dict.get(_META)) or {}
         if self.model is not None:
             options = StateDictOptions(strict=strict)
             if self.optimizers and "optimizer" in state_dict:
                 set_state_dict(
                     self.model,
                     self._optim_arg(),
-                    model_state_dict=state_dict["model"],
+                    model_state_dict=state_dict.get("model", {}),
                     optim_state_dict=state_dict["optimizer"],
                     options=options,
                 )
@@ -285,16 +309,16 @@ class TrainState:
                 set_model_state_dict(self.model, state_dict["model"], options=options)
         for name, obj in self.components.items():
             if name in state_dict:
-                obj.load_state_dict(state_dict[name])
+                obj.load_state_dict(_unblob(state_dict[name]))
         if self.extra is not None and "extra" in state_dict:
             if strict:
                 self.extra.clear()
-            self.extra.update(state_dict["extra"])
+            self.extra.update(_unblob(state_dict["extra"]))
         if self.rng and "rng" in state_dict:
             key = f"rank_{distributed.get_rank()}"
             ranks = state_dict["rng"]
             if key in ranks:
-                restore_rng_state(ranks[key])
+                restore_rng_state(_unblob(ranks[key]))
             else:
                 logger.warning(
                     "the checkpoint has no RNG state for %s (saved ranks: %s); RNG streams "
@@ -307,14 +331,42 @@ class TrainState:
         return self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers
 
 
+def _blob(value: Any, where: str) -> tuple[Any]:
+    """One section as a single DCP entry: DCP's traversal keeps a tuple whole."""
+    _check_plain(value, where)
+    return (_to_cpu(value),)
+
+
+def _unblob(value: Any) -> Any:
+    if isinstance(value, tuple) and len(value) == 1:
+        return value[0]
+    return value
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if value.device.type != "cpu" else value
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_cpu(v) for v in value)
+    return value
+
+
 def _preview(keys: list[str], limit: int = 8) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def _only_saved(tree: dict[str, Any], prefix: str, saved: set[str]) -> dict[str, Any]:
-    """A copy of ``tree`` without the leaves the checkpoint lacks (for strict=False)."""
-    out: dict[str, Any] = {}
+    """A copy of ``tree`` without the leaves the checkpoint lacks (for strict=False).
+
+    Top-level containers stay even when emptied: set_state_dict tells a nested
+    optimizer state dict from a flattened one by its "state" key.
+    """
+    out: dict[str, Any] = {k: type(v)() for k, v in tree.items() if isinstance(v, (dict, list))}
 
     def visit(path: tuple[str | int, ...], value: Any) -> None:
         if ".".join([prefix, *map(str, path)]) in saved:
@@ -324,17 +376,16 @@ def _only_saved(tree: dict[str, Any], prefix: str, saved: set[str]) -> dict[str,
     return out
 
 
-def _check_plain(sd: Mapping[str, Any]) -> None:
+def _check_plain(sd: Any, prefix: str) -> None:
     def walk(value: Any, where: str) -> None:
         if isinstance(value, (torch.Tensor, *_PLAIN_LEAVES)):
             return
         if isinstance(value, Mapping):
             for k, v in value.items():
-                if not isinstance(k, str):
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise TypeError(
                         f"state{where} has a key of type {type(k).__name__} ({k!r}); checkpoint "
-                        "keys must be strings (torch.distributed.checkpoint turns them into "
-                        "strings, so the value would come back under another key)"
+                        "keys must be strings or integers"
                     )
                 walk(v, f"{where}[{k!r}]")
             return
@@ -349,4 +400,4 @@ def _check_plain(sd: Mapping[str, Any]) -> None:
             "object's state_dict() or plain values instead."
         )
 
-    walk(sd, "")
+    walk(sd, prefix)

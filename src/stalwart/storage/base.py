@@ -42,6 +42,10 @@ class CheckpointStorage(Protocol):
         """Create and return a fresh, private staging directory for ``step``."""
         ...
 
+    def path_of(self, name: str) -> Path:
+        """Where the entry ``name`` (as returned by ``begin`` or ``commit``) lives, on any rank."""
+        ...
+
     def commit(self, staging: Path, step: int, manifest_json: str) -> Path:
         """Write the manifest into ``staging`` durably, then publish it as ``step``.
 

@@ -61,6 +61,9 @@ class LocalStorage:
     def step_path(self, step: int) -> Path:
         return self.root / step_dir_name(step)
 
+    def path_of(self, name: str) -> Path:
+        return self.root / name
+
     def begin(self, step: int) -> Path:
         staging = self.root / f".{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
         staging.mkdir(parents=False, exist_ok=False)

@@ -1,0 +1,251 @@
+"""Benchmark stalwart's checkpointing against its peers and the machine's physical limits.
+
+    .venv/bin/python benchmarks/run.py            # full: ~64 MiB, 256 MiB, 1 GiB states
+    .venv/bin/python benchmarks/run.py --quick    # ~16 MiB and ~64 MiB, under a minute
+
+Writes ``<out>/<name>.md``, ``<name>.json`` and ``<name>.png`` (the plot needs
+matplotlib and is skipped with a message without it) and prints the markdown.
+See docs/benchmarks.md for what each column means.
+
+Every measurement runs in its own process, forked from a server that has only
+imported torch and stalwart (multiprocessing's ``forkserver``), so one method's
+peak RSS never includes another's memory and no process pays torch's import.
+Methods run one after another, never concurrently: the numbers are meant to be
+read as ratios between rows of one run on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import re
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import report  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+SAVE_METHODS = (
+    "stalwart_sync",
+    "stalwart_async",
+    "torch_save",
+    "dcp_save",
+    "dcp_async_thread",
+    "dcp_async_process",
+)
+TRAIN_VARIANTS = ("stalwart_sync", "stalwart_async", "torch_save")
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """``64M``, ``64MB``, ``64MiB``, ``1G`` or a byte count; binary units."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 64M, 256MB or 1G")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def size_label(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, one repeat: under a minute")
+    p.add_argument(
+        "--sizes",
+        type=lambda s: [parse_size(x) for x in s.split(",")],
+        help="comma-separated state sizes (default 64M,256M,1G; quick: 16M,64M)",
+    )
+    p.add_argument("--repeats", type=int, help="timed repeats per method and size (default 3; quick: 1)")
+    p.add_argument("--train-size", type=parse_size, default=None, help="state size of the training-loop model (default 64M)")
+    p.add_argument("--every", type=int, default=10, help="checkpoint every N steps in the training loop")
+    p.add_argument("--segment-steps", type=int, help="steps per timed segment (default 4x --every)")
+    p.add_argument("--rounds", type=int, help="alternating with/without segments (default 3; quick: 1)")
+    p.add_argument("--no-train", action="store_true", help="skip the training-loop overhead part")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="output directory")
+    p.add_argument("--name", help="output file stem (default: quick or full)")
+    p.add_argument("--workdir", help="where checkpoints are written (default: the system temp dir)")
+    p.add_argument("--timeout", type=float, help="seconds per measurement process (default 600; quick: 60)")
+    args = p.parse_args(argv)
+    args.sizes = args.sizes or [parse_size(s) for s in (("16M", "64M") if args.quick else ("64M", "256M", "1G"))]
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.train_size = args.train_size or parse_size("64M")
+    args.segment_steps = args.segment_steps or 4 * args.every
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.name = args.name or ("quick" if args.quick else "full")
+    args.timeout = args.timeout or (60.0 if args.quick else 600.0)
+    if args.repeats < 1 or args.every < 1 or args.rounds < 1:
+        p.error("--repeats, --every and --rounds must be at least 1")
+    if args.segment_steps % args.every:
+        p.error(f"--segment-steps ({args.segment_steps}) must be a multiple of --every ({args.every})")
+    return args
+
+
+class Runner:
+    """Runs measurement jobs one at a time, each in a fresh process from a torch-preloaded forkserver."""
+
+    def __init__(self, workdir: Path, timeout: float) -> None:
+        self.ctx = multiprocessing.get_context("forkserver")
+        # The server imports these once; every job process is a fork of it.
+        self.ctx.set_forkserver_preload(["measure"])
+        self.workdir = workdir
+        self.timeout = timeout
+        self.count = 0
+
+    def run(self, job: str, label: str, **kwargs: Any) -> dict[str, Any]:
+        self.count += 1
+        result_path = self.workdir / f"job{self.count}.json"
+        log_path = self.workdir / f"job{self.count}.log"
+        kwargs.setdefault("workdir", str(self.workdir))
+        import measure
+
+        t0 = time.perf_counter()
+        proc = self.ctx.Process(
+            target=measure.run_child, args=(job, kwargs, str(result_path), str(log_path))
+        )
+        proc.start()
+        proc.join(self.timeout)
+        if proc.is_alive():
+            proc.kill()  # our own child, by its pid
+            proc.join()
+            outcome: dict[str, Any] = {"ok": False, "error": f"timed out after {self.timeout:.0f}s"}
+        elif result_path.exists():
+            outcome = json.loads(result_path.read_text(encoding="utf-8"))
+        else:
+            outcome = {"ok": False, "error": f"process exited with code {proc.exitcode}"}
+        elapsed = time.perf_counter() - t0
+        status = "ok" if outcome["ok"] else f"FAILED: {outcome['error']}"
+        print(f"  {label:<40} {elapsed:6.1f}s  {status}", file=sys.stderr, flush=True)
+        if not outcome["ok"]:
+            log = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
+            print("\n".join("    | " + line for line in log.splitlines()[-15:]), file=sys.stderr)
+            return {"error": outcome["error"]}
+        return outcome["result"]
+
+
+def lightning_status() -> str:
+    import importlib.util
+
+    for name in ("lightning", "pytorch_lightning"):
+        if importlib.util.find_spec(name) is not None:
+            return f"installed ({name}) but not benchmarked yet"
+    return "not installed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    import torch  # only for versions here; the measurements import it in their own processes
+
+    out_dir: Path = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="stalwart-bench-", dir=args.workdir))
+    meta = {
+        "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
+        "cwd": os.getcwd(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "mode": "quick" if args.quick else "full",
+        "repeats": args.repeats,
+        "workdir": str(workdir),
+        "filesystem": filesystem_of(workdir),
+        "lightning": lightning_status(),
+    }
+    import stalwart
+
+    meta["stalwart"] = stalwart.__version__
+    results: dict[str, Any] = {"meta": meta, "sizes": [], "training": None}
+    runner = Runner(workdir, args.timeout)
+    try:
+        for nbytes in args.sizes:
+            label = size_label(nbytes)
+            print(f"state ~{label}:", file=sys.stderr, flush=True)
+            entry: dict[str, Any] = {"label": label, "requested_bytes": nbytes}
+            entry["references"] = runner.run(
+                "references", "physical references", state_bytes=nbytes, repeats=args.repeats
+            )
+            entry["methods"] = {
+                method: runner.run(
+                    "save", method, method=method, state_bytes=nbytes, repeats=args.repeats
+                )
+                for method in SAVE_METHODS
+            }
+            entry["bytes"] = entry["references"].get("bytes", nbytes)
+            results["sizes"].append(entry)
+        if not args.no_train:
+            print(
+                f"training loop (~{size_label(args.train_size)} state, checkpoint every "
+                f"{args.every} steps):",
+                file=sys.stderr,
+                flush=True,
+            )
+            results["training"] = {
+                "requested_bytes": args.train_size,
+                "every": args.every,
+                "variants": {
+                    variant: runner.run(
+                        "train",
+                        variant,
+                        variant=variant,
+                        state_bytes=args.train_size,
+                        every=args.every,
+                        segment_steps=args.segment_steps,
+                        rounds=args.rounds,
+                    )
+                    for variant in TRAIN_VARIANTS
+                },
+            }
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    meta["elapsed_s"] = round(time.perf_counter() - started, 1)
+
+    report.analyze(results)
+    md = report.markdown(results)
+    stem = out_dir / args.name
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    stem.with_suffix(".md").write_text(md, encoding="utf-8")
+    plot_note = report.plot(results, stem.with_suffix(".png"))
+    print(md)
+    print(f"wrote {stem}.md, {stem}.json; {plot_note}", file=sys.stderr)
+    return 0
+
+
+def filesystem_of(path: Path) -> str:
+    """The mount (device, type) holding ``path``, from /proc/mounts."""
+    try:
+        best = ("", "?", "?")
+        real = os.path.realpath(path)
+        with open("/proc/mounts", encoding="utf-8") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
+                    best[0]
+                ):
+                    best = (mnt, dev, fstype)
+        return f"{best[2]} on {best[1]} (mounted at {best[0]})"
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
