@@ -11,6 +11,7 @@ Times are seconds from ``time.perf_counter``; sizes are bytes; RSS is MiB.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -297,10 +298,185 @@ def job_references(state_bytes: int, repeats: int, workdir: str) -> dict[str, An
     return out
 
 
-# ---------------------------------------------------------------------- saves
+# -------------------------------------------------------------------- methods
 
 
-def _stalwart_breakdown(
+class Method:
+    """One way to save (and maybe restore) a training state, set up over one directory.
+
+    ``save(i)`` returns ``(stall_s, e2e_s, path)``: how long the training thread
+    was blocked, and how long until the checkpoint was durable.
+    """
+
+    restores = False
+
+    def __init__(
+        self, root: Path, model: nn.Module, opt: torch.optim.Optimizer, state: stalwart.TrainState
+    ) -> None:
+        self.root, self.model, self.opt, self.state = root, model, opt, state
+        root.mkdir(parents=True, exist_ok=True)
+
+    def save(self, i: int) -> tuple[float, float, Path]:
+        raise NotImplementedError
+
+    def restore(
+        self, path: Path, model: nn.Module, opt: torch.optim.Optimizer, state: stalwart.TrainState
+    ) -> None:
+        raise NotImplementedError
+
+    def details(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class StalwartMethod(Method):
+    restores = True
+    async_save = False
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        # keep_last=None: retention deletes are a policy cost, measured in the training loop.
+        self.mgr = stalwart.CheckpointManager(
+            self.root / "run", async_save=self.async_save, keep_last=None, handle_signals=False
+        )
+        self.events: list[dict[str, Any]] = []
+
+    def save(self, i: int) -> tuple[float, float, Path]:
+        t0 = time.perf_counter()
+        self.mgr.save(i, self.state, force=True)
+        t1 = time.perf_counter()
+        self.mgr.wait()
+        t2 = time.perf_counter()
+        event = last_event(self.root / "run", "save")
+        assert event["step"] == i
+        self.events.append(event)
+        if not self.async_save:
+            # Sync: the whole save blocks; the event's own numbers are the authority.
+            return float(event["stall_s"]), float(event["total_s"]), self.mgr.storage.step_path(i)
+        return t1 - t0, t2 - t0, self.mgr.storage.step_path(i)
+
+    def restore(self, path: Path, model: Any, opt: Any, state: stalwart.TrainState) -> None:
+        step = int(path.name.split("_")[-1])
+        assert self.mgr.restore(state, step=step) == step
+
+    def details(self) -> dict[str, Any]:
+        keys = ("stall_s", "stage_s", "write_s", "checksum_s", "commit_s", "total_s")
+        return {"events": {k: median([float(e.get(k, math.nan)) for e in self.events]) for k in keys}}
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+class StalwartAsyncMethod(StalwartMethod):
+    restores = False  # the same format and restore path as stalwart sync
+    async_save = True
+
+
+class TorchSaveMethod(Method):
+    """torch.save of model and optimizer state dicts, flushed, fsynced, renamed into place."""
+
+    restores = True
+
+    def save(self, i: int) -> tuple[float, float, Path]:
+        t0 = time.perf_counter()
+        final, tmp = self.root / f"ckpt_{i}.pt", self.root / f".ckpt_{i}.pt.tmp"
+        sd = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
+        with open(tmp, "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_path(self.root)
+        t = time.perf_counter() - t0
+        return t, t, final
+
+    def restore(self, path: Path, model: nn.Module, opt: torch.optim.Optimizer, state: Any) -> None:
+        sd = torch.load(path, weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+
+
+class DcpSaveMethod(Method):
+    """dcp.save of get_state_dict's model and optimizer dicts (DCP's own recipe), then fsync."""
+
+    restores = True
+
+    def save(self, i: int) -> tuple[float, float, Path]:
+        t0 = time.perf_counter()
+        path = self.root / f"step_{i}"
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        with quiet_dcp():
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path, no_dist=True)
+        fsync_tree(path)  # FileSystemWriter fsyncs its files; the directories are ours to sync
+        t = time.perf_counter() - t0
+        return t, t, path
+
+    def restore(self, path: Path, model: nn.Module, opt: torch.optim.Optimizer, state: Any) -> None:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        sd = {"model": model_sd, "optimizer": optim_sd}
+        with quiet_dcp():
+            dcp.load(sd, checkpoint_id=path, no_dist=True)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+
+
+class DcpAsyncMethod(Method):
+    """dcp.async_save with the default stager; stall = until it returns, e2e = until the future."""
+
+    process = False
+
+    def save(self, i: int) -> tuple[float, float, Path]:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        kind = AsyncCheckpointerType.PROCESS if self.process else AsyncCheckpointerType.THREAD
+        path = self.root / f"step_{i}"
+        t0 = time.perf_counter()
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        with quiet_dcp():
+            fut = dcp.async_save(
+                {"model": model_sd, "optimizer": optim_sd},
+                checkpoint_id=path,
+                no_dist=not self.process,
+                async_checkpointer_type=kind,
+            )
+        t1 = time.perf_counter()
+        fut.result()
+        fsync_tree(path)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t0, path
+
+
+class DcpAsyncProcessMethod(DcpAsyncMethod):
+    process = True
+
+
+METHODS: dict[str, type[Method]] = {
+    "stalwart_sync": StalwartMethod,
+    "stalwart_async": StalwartAsyncMethod,
+    "torch_save": TorchSaveMethod,
+    "dcp_save": DcpSaveMethod,
+    "dcp_async_thread": DcpAsyncMethod,
+    "dcp_async_process": DcpAsyncProcessMethod,
+}
+SAVE_METHODS = tuple(METHODS)
+TINY_BYTES = 64 * 1024
+
+
+def _child_processes_hwm_kib() -> int:
+    import multiprocessing
+
+    total = 0
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/{child.pid}/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        total += int(line.split()[1])
+    return total
+
+
+def _stalwart_stall_breakdown(
     model: nn.Module, opt: torch.optim.Optimizer, state: stalwart.TrainState, repeats: int
 ) -> dict[str, float]:
     """Where stalwart's async stall goes: torch's get_state_dict, the rest of
@@ -325,191 +501,36 @@ def _stalwart_breakdown(
     }
 
 
-def _save_stalwart(
-    run_dir: Path, state: stalwart.TrainState, repeats: int, *, async_save: bool
-) -> dict[str, Any]:
-    stalls, e2e, rss, events = [], [], [], []
-    # keep_last=None: retention deletes are a policy cost, measured in the training loop.
-    with stalwart.CheckpointManager(
-        run_dir, async_save=async_save, keep_last=None, handle_signals=False
-    ) as mgr:
-        mgr.save(0, state, force=True)  # warm-up: lazy imports and first-call costs
-        mgr.wait()
-        for i in range(1, repeats + 1):
-            with PeakRSS() as peak:
-                t0 = time.perf_counter()
-                mgr.save(i, state, force=True)
-                t1 = time.perf_counter()
-                mgr.wait()
-                t2 = time.perf_counter()
-            stalls.append(t1 - t0)
-            e2e.append(t2 - t0)
-            rss.append(peak.delta_mib)
-            events.append(last_event(run_dir, "save"))
-        last = mgr.storage.step_path(repeats)
-    result: dict[str, Any] = {
-        "stall_s": median(stalls),
-        "e2e_s": median(e2e),
-        "peak_rss_mib": max(rss),
-        "disk_bytes": tree_bytes(last),
-        "events": {
-            k: median([float(e[k]) for e in events])
-            for k in ("stall_s", "stage_s", "write_s", "checksum_s", "commit_s", "total_s")
-        },
-    }
-    if not async_save:
-        # The sync stall is the whole save; the event's numbers are the authority.
-        result["stall_wall_s"] = result["stall_s"]
-        result["stall_s"] = result["events"]["stall_s"]
-        result["e2e_s"] = result["events"]["total_s"]
-    return result
+def _stalwart_restore_breakdown(path: Path) -> dict[str, float]:
+    """Restore = verify (read + xxh3 of every file) + metadata + DCP load: time the first two alone."""
+    from stalwart.pipeline import verify_checkpoint
+    from stalwart.safe_load import read_dcp_metadata
 
-
-def _save_torch(root: Path, model: nn.Module, opt: torch.optim.Optimizer, repeats: int) -> Any:
-    def save_once(i: int) -> Path:
-        final = root / f"ckpt_{i}.pt"
-        tmp = root / f".ckpt_{i}.pt.tmp"
-        sd = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-        with open(tmp, "wb") as f:
-            torch.save(sd, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        fsync_path(root)
-        return final
-
-    return _time_blocking_saves(save_once, root, repeats)
-
-
-def _save_dcp(root: Path, model: nn.Module, opt: torch.optim.Optimizer, repeats: int) -> Any:
-    def save_once(i: int) -> Path:
-        path = root / f"step_{i}"
-        model_sd, optim_sd = get_state_dict(model, opt)
-        with quiet_dcp():
-            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path, no_dist=True)
-        fsync_tree(path)  # FileSystemWriter fsyncs its files; the directories are ours to sync
-        return path
-
-    return _time_blocking_saves(save_once, root, repeats)
-
-
-def _time_blocking_saves(save_once: Callable[[int], Path], root: Path, repeats: int) -> Any:
-    save_once(0)  # warm-up
-    times, rss = [], []
-    path = root
-    for i in range(1, repeats + 1):
-        with PeakRSS() as peak:
-            t0 = time.perf_counter()
-            path = save_once(i)
-            times.append(time.perf_counter() - t0)
-        rss.append(peak.delta_mib)
-    return {
-        "stall_s": median(times),
-        "e2e_s": median(times),
-        "peak_rss_mib": max(rss),
-        "disk_bytes": tree_bytes(path),
-    }, path
-
-
-def _child_processes_hwm_kib() -> int:
-    import multiprocessing
-
-    total = 0
-    for child in multiprocessing.active_children():
-        with contextlib.suppress(OSError, ValueError):
-            with open(f"/proc/{child.pid}/status", encoding="ascii") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        total += int(line.split()[1])
-    return total
-
-
-def _save_dcp_async(
-    root: Path, model: nn.Module, opt: torch.optim.Optimizer, repeats: int, *, process: bool
-) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-    kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
-    notes = []
-    if process:
-        # DCP's process-based executor reads the rank and broadcasts a TCPStore address
-        # over the default group, so it fails without one ("Default process group has
-        # not been initialized"); a single-rank gloo group on a FileStore satisfies it.
-        import torch.distributed as dist
-
-        store_path = root / "filestore"
-        dist.init_process_group(
-            "gloo", store=dist.FileStore(str(store_path), 1), rank=0, world_size=1
-        )
-        notes.append("needs a process group: single-rank gloo on a FileStore")
-
-    def save_once(i: int) -> tuple[float, float, Path]:
-        path = root / f"step_{i}"
+    out = {}
+    for cold in (True, False):
+        if cold:
+            drop_page_cache(path)
         t0 = time.perf_counter()
-        model_sd, optim_sd = get_state_dict(model, opt)
-        with quiet_dcp():
-            fut = dcp.async_save(
-                {"model": model_sd, "optimizer": optim_sd},
-                checkpoint_id=path,
-                no_dist=not process,
-                async_checkpointer_type=kind,
-            )
-        t1 = time.perf_counter()
-        fut.result()
-        fsync_tree(path)
-        t2 = time.perf_counter()
-        return t1 - t0, t2 - t0, path
-
-    try:
-        t_stall, t_e2e, _ = save_once(0)  # warm-up (a process executor spawns its worker here)
-        notes.append(f"first call (warm-up, not counted): stall {t_stall:.3f}s, e2e {t_e2e:.3f}s")
-        stalls, e2e, rss, child_rss = [], [], [], []
-        path = root
-        for i in range(1, repeats + 1):
-            child_before = _child_processes_hwm_kib()
-            with PeakRSS() as peak:
-                stall, total, path = save_once(i)
-            stalls.append(stall)
-            e2e.append(total)
-            rss.append(peak.delta_mib)
-            child_rss.append((_child_processes_hwm_kib() - child_before) / 1024)
-        result: dict[str, Any] = {
-            "stall_s": median(stalls),
-            "e2e_s": median(e2e),
-            "peak_rss_mib": max(rss),
-            "disk_bytes": tree_bytes(path),
-            "notes": notes,
-        }
-        if process:
-            result["worker_peak_rss_growth_mib"] = max(child_rss)
-            result["notes"].append(
-                "peak RSS is the training process only; the checkpoint worker process "
-                "also holds the data (worker_peak_rss_growth_mib)"
-            )
-        return result
-    finally:
-        if process:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-
-
-# -------------------------------------------------------------------- restores
+        verify_checkpoint(path)
+        out["verify_cold_s" if cold else "verify_warm_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    read_dcp_metadata(path)
+    out["read_metadata_s"] = time.perf_counter() - t0
+    return out
 
 
 def _time_restores(
-    restore_once: Callable[[], None], files: Path, repeats: int
+    method: Method, path: Path, target: tuple[Any, Any, Any], repeats: int
 ) -> dict[str, Any]:
     warm, cold, rss = [], [], []
     cold_ok = True
-    restore_once()  # warm-up
     for _ in range(repeats):
         for is_cold in (True, False):
             if is_cold:
-                cold_ok = drop_page_cache(files) and cold_ok
+                cold_ok = drop_page_cache(path) and cold_ok
             with PeakRSS() as peak:
                 t0 = time.perf_counter()
-                restore_once()
+                method.restore(path, *target)
                 (cold if is_cold else warm).append(time.perf_counter() - t0)
             rss.append(peak.delta_mib)
     return {
@@ -520,91 +541,75 @@ def _time_restores(
     }
 
 
-def _restore_stalwart(run_dir: Path, state_bytes: int, model: nn.Module, repeats: int) -> Any:
-    target_model, _opt, target = build_state(state_bytes, seed=1)
-    with stalwart.CheckpointManager(run_dir, keep_last=None, handle_signals=False) as mgr:
-        step = mgr.latest_step()
-        assert step is not None
-
-        def restore_once() -> None:
-            got = mgr.restore(target, step=step)
-            assert got == step
-
-        result = _time_restores(restore_once, mgr.storage.step_path(step), repeats)
-    assert same_params(target_model, model), "stalwart restore did not restore the parameters"
-    return result
-
-
-def _restore_torch(path: Path, state_bytes: int, model: nn.Module, repeats: int) -> Any:
-    target_model, target_opt, _ = build_state(state_bytes, seed=1)
-
-    def restore_once() -> None:
-        sd = torch.load(path, weights_only=True)
-        target_model.load_state_dict(sd["model"])
-        target_opt.load_state_dict(sd["optimizer"])
-
-    result = _time_restores(restore_once, path, repeats)
-    assert same_params(target_model, model), "torch.load did not restore the parameters"
-    return result
-
-
-def _restore_dcp(path: Path, state_bytes: int, model: nn.Module, repeats: int) -> Any:
-    target_model, target_opt, _ = build_state(state_bytes, seed=1)
-
-    def restore_once() -> None:
-        model_sd, optim_sd = get_state_dict(target_model, target_opt)
-        sd = {"model": model_sd, "optimizer": optim_sd}
-        with quiet_dcp():
-            dcp.load(sd, checkpoint_id=path, no_dist=True)
-        set_state_dict(
-            target_model, target_opt, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"]
-        )
-
-    result = _time_restores(restore_once, path, repeats)
-    assert same_params(target_model, model), "dcp.load did not restore the parameters"
-    return result
-
-
-# ------------------------------------------------------------------------ jobs
-
-SAVE_METHODS = (
-    "stalwart_sync",
-    "stalwart_async",
-    "torch_save",
-    "dcp_save",
-    "dcp_async_thread",
-    "dcp_async_process",
-)
+def _scrambled_copy(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Any, Any, Any]:
+    """A restore target shaped like (model, opt) with different values (cheaper than building one)."""
+    target_model, target_opt = copy.deepcopy((model, opt))
+    with torch.no_grad():
+        for p in target_model.parameters():
+            p.zero_()
+    return target_model, target_opt, stalwart.TrainState(model=target_model, optimizer=target_opt)
 
 
 def job_save(method: str, state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
-    """Save (and, for the methods that have their own format, restore) with one method."""
+    """Save with one method (and restore, for the methods with their own format)."""
+    cls = METHODS[method]
     model, opt, state = build_state(state_bytes)
     root = Path(tempfile.mkdtemp(prefix=f"{method}-", dir=workdir))
-    out: dict[str, Any] = {"bytes": state_nbytes(model, opt)}
+    out: dict[str, Any] = {"bytes": state_nbytes(model, opt), "notes": []}
+    if cls is DcpAsyncProcessMethod:
+        # DCP's process-based executor reads the rank and broadcasts a TCPStore address
+        # over the default group, so without one it fails ("Default process group has
+        # not been initialized"); a single-rank gloo group on a FileStore satisfies it.
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(str(root / "filestore"), 1), rank=0, world_size=1
+        )
+        out["notes"].append("needs a process group: single-rank gloo on a FileStore")
     try:
-        if method in ("stalwart_sync", "stalwart_async"):
-            run_dir = root / "run"
-            out.update(_save_stalwart(run_dir, state, repeats, async_save=method.endswith("async")))
-            if method == "stalwart_async":
-                out["breakdown"] = _stalwart_breakdown(model, opt, state, repeats)
-            else:
-                out["restore"] = _restore_stalwart(run_dir, state_bytes, model, repeats)
-        elif method == "torch_save":
-            result, path = _save_torch(root, model, opt, repeats)
-            out.update(result)
-            out["restore"] = _restore_torch(path, state_bytes, model, repeats)
-        elif method == "dcp_save":
-            result, path = _save_dcp(root, model, opt, repeats)
-            out.update(result)
-            out["restore"] = _restore_dcp(path, state_bytes, model, repeats)
-        elif method in ("dcp_async_thread", "dcp_async_process"):
-            out.update(
-                _save_dcp_async(root, model, opt, repeats, process=method.endswith("process"))
-            )
-        else:
-            raise ValueError(f"unknown method {method!r}; known: {', '.join(SAVE_METHODS)}")
+        # Warm-up on a tiny state: lazy imports, first-call costs, DCP's worker process.
+        tiny = build_state(TINY_BYTES)
+        warm = cls(root / "warmup", *tiny)
+        t_stall, t_e2e, tiny_path = warm.save(0)
+        if cls.restores:
+            warm.restore(tiny_path, *_scrambled_copy(tiny[0], tiny[1]))
+        warm.close()
+        out["first_call"] = {"stall_s": t_stall, "e2e_s": t_e2e}
+
+        m = cls(root / "timed", model, opt, state)
+        stalls, e2e, rss, child_rss = [], [], [], []
+        path = root
+        for i in range(1, repeats + 1):
+            child_before = _child_processes_hwm_kib()
+            with PeakRSS() as peak:
+                stall, total, path = m.save(i)
+            stalls.append(stall)
+            e2e.append(total)
+            rss.append(peak.delta_mib)
+            child_rss.append((_child_processes_hwm_kib() - child_before) / 1024)
+        out.update(
+            stall_s=median(stalls),
+            e2e_s=median(e2e),
+            peak_rss_mib=max(rss),
+            disk_bytes=tree_bytes(path),
+            **m.details(),
+        )
+        if cls is DcpAsyncProcessMethod:
+            out["worker_peak_rss_growth_mib"] = max(child_rss)
+        if cls is StalwartAsyncMethod:
+            out["breakdown"] = _stalwart_stall_breakdown(model, opt, state, repeats)
+        if cls.restores:
+            target = _scrambled_copy(model, opt)
+            out["restore"] = _time_restores(m, path, target, repeats)
+            assert same_params(target[0], model), f"{method}: restore did not bring the parameters back"
+            if cls is StalwartMethod:
+                out["restore"]["breakdown"] = _stalwart_restore_breakdown(path)
+        m.close()
     finally:
+        if cls is DcpAsyncProcessMethod:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
         shutil.rmtree(root, ignore_errors=True)
     return out
 
@@ -629,22 +634,34 @@ def _make_step(model: nn.Module, opt: torch.optim.Optimizer, batch: int) -> Call
 
 
 def job_train(
-    variant: str, state_bytes: int, every: int, segment_steps: int, rounds: int, workdir: str
+    variant: str,
+    state_bytes: int,
+    every: int,
+    segment_steps: int,
+    rounds: int,
+    threads: int,
+    workdir: str,
 ) -> dict[str, Any]:
     """Wall time of ``segment_steps`` training steps with a checkpoint every ``every`` steps,
-    over the same number of steps without; segments alternate to cancel drift on a noisy host."""
+    over the same number of steps without. Segments alternate (without, with, without, ...)
+    and the medians are compared, so drift and a neighbour's burst on a shared host hit
+    both sides alike."""
+    # Intra-op threads for the training step. With every core in torch's pool, any
+    # background thread (the async writer) preempts a pool thread and the whole
+    # parallel region waits for it; a GPU trainer's host has spare cores instead.
+    torch.set_num_threads(threads)
     model, opt, state = build_state(state_bytes)
     batch = 8
     step = _make_step(model, opt, batch)
     # Grow the batch until a step takes ~25 ms (the regime the overhead targets assume).
     while True:
-        for _ in range(2):
-            step()
-        t0 = time.perf_counter()
+        step()
+        times = []
         for _ in range(3):
+            t0 = time.perf_counter()
             step()
-        step_s = (time.perf_counter() - t0) / 3
-        if step_s >= 0.02 or batch >= 4096:
+            times.append(time.perf_counter() - t0)
+        if min(times) >= 0.02 or batch >= 4096:
             break
         batch *= 2
         step = _make_step(model, opt, batch)
@@ -701,7 +718,10 @@ def job_train(
     finish()
     saves = 0
     base_times, ckpt_times = [], []
-    counter = 0
+    # Start half an interval in, so a segment ends half an interval after its last save:
+    # waiting for that save at the segment's end then charges only what a steady-state
+    # loop would also wait for, not a whole save started on the segment's last step.
+    counter = every // 2
     try:
         for _ in range(rounds):
             t0 = time.perf_counter()
@@ -718,14 +738,18 @@ def job_train(
     finally:
         close()
         shutil.rmtree(root, ignore_errors=True)
-    base, ckpt = sum(base_times), sum(ckpt_times)
+    base, ckpt = median(base_times), median(ckpt_times)
     return {
         "bytes": state_nbytes(model, opt),
+        "threads": threads,
         "batch": batch,
-        "step_s": base / (rounds * segment_steps),
+        "step_s": base / segment_steps,
         "every": every,
-        "steps": rounds * segment_steps,
+        "segment_steps": segment_steps,
+        "rounds": rounds,
         "saves": saves,
+        "base_segments_s": base_times,
+        "ckpt_segments_s": ckpt_times,
         "base_s": base,
         "ckpt_s": ckpt,
         "overhead": ckpt / base - 1,

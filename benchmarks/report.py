@@ -360,8 +360,9 @@ def _training_section(results: dict[str, Any], add: Any) -> None:
         return
     add(
         f"## Training loop overhead (~{_size_of(any_ok['bytes'])} state, batch {any_ok['batch']}, "
-        f"checkpoint every {training['every']} steps, {any_ok['steps']} steps with and {any_ok['steps']} without, "
-        "alternating segments)\n"
+        f"{any_ok['threads']} torch thread(s), checkpoint every {training['every']} steps; "
+        f"{any_ok['rounds']} pairs of {any_ok['segment_steps']}-step segments without and with "
+        "checkpoints, alternating; medians compared)\n"
     )
     add("| checkpointing | step (no checkpoints) | saves | wall with ÷ without | overhead |")
     add("|---|---|---|---|---|")

@@ -34,17 +34,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import report  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import measure  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import report  # noqa: E402
 
-SAVE_METHODS = (
-    "stalwart_sync",
-    "stalwart_async",
-    "torch_save",
-    "dcp_save",
-    "dcp_async_thread",
-    "dcp_async_process",
-)
-TRAIN_VARIANTS = ("stalwart_sync", "stalwart_async", "torch_save")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
@@ -75,8 +67,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="timed repeats per method and size (default 3; quick: 1)")
     p.add_argument("--train-size", type=parse_size, default=None, help="state size of the training-loop model (default 64M)")
     p.add_argument("--every", type=int, default=10, help="checkpoint every N steps in the training loop")
-    p.add_argument("--segment-steps", type=int, help="steps per timed segment (default 4x --every)")
-    p.add_argument("--rounds", type=int, help="alternating with/without segments (default 3; quick: 1)")
+    p.add_argument("--segment-steps", type=int, help="steps per timed segment (default 4x --every; quick: 2x)")
+    p.add_argument("--rounds", type=int, help="pairs of without/with segments (default 3; quick: 2)")
+    p.add_argument(
+        "--train-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads in the training loop (default 1: leaves the other core(s) "
+        "to background saving, as a GPU trainer's host would)",
+    )
     p.add_argument("--no-train", action="store_true", help="skip the training-loop overhead part")
     p.add_argument("--out", type=Path, default=HERE / "results", help="output directory")
     p.add_argument("--name", help="output file stem (default: quick or full)")
@@ -86,8 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sizes = args.sizes or [parse_size(s) for s in (("16M", "64M") if args.quick else ("64M", "256M", "1G"))]
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.train_size = args.train_size or parse_size("64M")
-    args.segment_steps = args.segment_steps or 4 * args.every
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.segment_steps = args.segment_steps or (2 if args.quick else 4) * args.every
+    args.rounds = args.rounds or (2 if args.quick else 3)
     args.name = args.name or ("quick" if args.quick else "full")
     args.timeout = args.timeout or (60.0 if args.quick else 600.0)
     if args.repeats < 1 or args.every < 1 or args.rounds < 1:
@@ -102,8 +101,12 @@ class Runner:
 
     def __init__(self, workdir: Path, timeout: float) -> None:
         self.ctx = multiprocessing.get_context("forkserver")
-        # The server imports these once; every job process is a fork of it.
-        self.ctx.set_forkserver_preload(["measure"])
+        # The server imports these once; every job process is a fork of it. "__main__"
+        # (this script) comes first: importing it puts benchmarks/ on the server's
+        # sys.path, which python 3.11's forkserver does not pass on by itself.
+        self.ctx.set_forkserver_preload(
+            ["__main__", "torch", "torch.distributed.checkpoint", "stalwart", "measure"]
+        )
         self.workdir = workdir
         self.timeout = timeout
         self.count = 0
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 method: runner.run(
                     "save", method, method=method, state_bytes=nbytes, repeats=args.repeats
                 )
-                for method in SAVE_METHODS
+                for method in measure.SAVE_METHODS
             }
             entry["bytes"] = entry["references"].get("bytes", nbytes)
             results["sizes"].append(entry)
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             results["training"] = {
                 "requested_bytes": args.train_size,
                 "every": args.every,
+                "threads": args.train_threads,
                 "variants": {
                     variant: runner.run(
                         "train",
@@ -211,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                         every=args.every,
                         segment_steps=args.segment_steps,
                         rounds=args.rounds,
+                        threads=args.train_threads,
                     )
-                    for variant in TRAIN_VARIANTS
+                    for variant in measure.TRAIN_VARIANTS
                 },
             }
     finally:

@@ -8,6 +8,7 @@ EXPECTED = {
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "CoordinationError",
     "ResumableDataLoader",
     "ResumableSampler",
     "RunLockedError",
@@ -17,6 +18,8 @@ EXPECTED = {
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
     "__version__",
+    "init_distributed",
+    "shutdown_distributed",
 }
 
 
@@ -38,6 +41,7 @@ def test_every_error_derives_from_stalwart_error_and_a_builtin():
         "UnsupportedFormatError": ValueError,
         "StateMismatchError": ValueError,
         "CheckpointSaveError": RuntimeError,
+        "CoordinationError": RuntimeError,
         "RunLockedError": RuntimeError,
     }
     for name, builtin in builtins.items():

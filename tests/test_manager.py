@@ -303,7 +303,9 @@ def test_scheduler_state_with_empty_containers_round_trips(tmp_path):
         sched.step()
     assert sched.state_dict()["lr_lambdas"] == [{}]
     with stalwart.CheckpointManager(tmp_path) as ckpt:
-        ckpt.save(3, stalwart.TrainState(model=model, optimizer=opt, scheduler=sched, extra={"empty": {}}))
+        ckpt.save(
+            3, stalwart.TrainState(model=model, optimizer=opt, scheduler=sched, extra={"empty": {}})
+        )
     model2 = torch.nn.Linear(2, 2)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
     sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, functools.partial(_warmup, warm=10))

@@ -27,7 +27,11 @@ class Noisy(Dataset):
 def _stateful(workers: int):
     sampler = SeededSampler(ResumableSampler(Noisy(), shuffle=True, seed=4))
     loader = stateful_dataloader.StatefulDataLoader(
-        SeededDataset(Noisy()), sampler=sampler, batch_size=3, num_workers=workers, generator=torch.Generator()
+        SeededDataset(Noisy()),
+        sampler=sampler,
+        batch_size=3,
+        num_workers=workers,
+        generator=torch.Generator(),
     )
     return loader, sampler
 

@@ -12,10 +12,12 @@ Quick start::
                 break
 """
 
+from stalwart.distributed import init_distributed, shutdown_distributed
 from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointSaveError,
+    CoordinationError,
     RunLockedError,
     StalwartError,
     StateMismatchError,
@@ -33,6 +35,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "CoordinationError",
     "ResumableDataLoader",
     "ResumableSampler",
     "RunLockedError",
@@ -42,4 +45,6 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
     "__version__",
+    "init_distributed",
+    "shutdown_distributed",
 ]

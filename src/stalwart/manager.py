@@ -322,28 +322,55 @@ class CheckpointManager:
                 reason="a checkpoint of this step already exists; checkpoints are never overwritten",
             )
             return False
+        if self._saver is not None:
+            # At most one save in flight: wait for the previous one before staging
+            # this one, and report its failure before this step is taken on.
+            self._saver.wait()
         t0 = time.perf_counter()
-        state_dict = state.state_dict()
-        manifest = self._manifest(step, state, metrics_json)
+        # Collecting (and, async, staging) the state can fail on one rank only; the
+        # ranks agree on that before any of them starts writing.
+        local_error: Exception | None = None
+        staged: dict[str, Any] = {}
+        try:
+            staged = state.state_dict()
+            if self._saver is not None:
+                staged = stage_state_dict(staged)
+        except Exception as exc:
+            local_error = exc
+        try:
+            reports = self._coord.all_gather(
+                None if local_error is None else f"{type(local_error).__name__}: {local_error}"
+            )
+            manifest = self._manifest(step, state, metrics_json)
+        except CoordinationError as exc:
+            raise CheckpointSaveError(f"saving step {step} failed: {exc}") from exc
+        if local_error is not None:
+            self.events.emit("save_failed", logging.ERROR, step=step, error=str(local_error))
+            raise local_error
+        for rank, report in enumerate(reports):
+            if report is not None:
+                self.events.emit(
+                    "save_failed", logging.ERROR, step=step, error=report, rank_failed=rank
+                )
+                raise CheckpointSaveError(
+                    f"saving step {step} failed: rank {rank} could not collect its state: {report}"
+                )
         self._last_saved_step = step
-        self._last_save_time = time.monotonic()
         if self._saver is None:
             try:
-                result = write_and_commit(
-                    self.storage, state_dict, manifest, coordinator=self._coord
-                )
+                result = write_and_commit(self.storage, staged, manifest, coordinator=self._coord)
             except CheckpointSaveError as exc:
                 self.events.emit("save_failed", logging.ERROR, step=step, error=str(exc))
                 self._last_saved_step = None
                 raise
+            self._last_save_time = time.monotonic()
             stall = time.perf_counter() - t0
             self._after_commit(
                 result, stall_s=stall, stage_s=0.0, total_s=stall, emergency=emergency
             )
             return True
-        staged = stage_state_dict(state_dict)
-        del state_dict
         stall = time.perf_counter() - t0
+        self._last_save_time = time.monotonic()
         coord = self._async_coord
 
         def job() -> SaveResult:
@@ -351,6 +378,8 @@ class CheckpointManager:
                 result = write_and_commit(self.storage, staged, manifest, coordinator=coord)
             except CheckpointSaveError as exc:
                 self.events.emit("save_failed", logging.ERROR, step=step, error=str(exc))
+                if self._last_saved_step == step:
+                    self._last_saved_step = None
                 raise
             self._after_commit(
                 result,
@@ -487,8 +516,18 @@ class CheckpointManager:
                 if self.is_leader and not exc.transient:
                     # Definitely bad content (not a transient read error): move it aside so
                     # retention and later saves of this step are not confused by it.
-                    aside = self.storage.quarantine(candidate)
-                    self.events.emit("quarantine", step=candidate, path=str(aside))
+                    try:
+                        aside = self.storage.quarantine(candidate)
+                    except OSError as move_exc:
+                        # Falling back matters more than tidying up: keep going.
+                        self.events.emit(
+                            "quarantine_failed",
+                            logging.WARNING,
+                            step=candidate,
+                            error=str(move_exc),
+                        )
+                    else:
+                        self.events.emit("quarantine", step=candidate, path=str(aside))
                 continue
             elapsed = time.perf_counter() - t0
             newer = [s for s in committed if s > candidate]

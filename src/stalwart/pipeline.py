@@ -248,13 +248,13 @@ def _write_staged(
                     no_dist=not coord.distributed,
                 )
         except CheckpointException as exc:
-            raise CheckpointSaveError(_first_failure(exc)) from exc
+            raise CheckpointSaveError(_first_failure(exc)) from (_find_os_error(exc) or exc)
         t1 = time.perf_counter()
         entries = _checksum_files(
             staging, rank=coord.rank if coord.distributed else None, leader=coord.is_leader
         )
     except (OSError, StalwartError, ValueError, TypeError, RuntimeError) as exc:
-        error, cause = f"{type(exc).__name__}: {exc}", exc
+        error, cause = f"{type(exc).__name__}: {exc}", (_find_os_error(exc) or exc)
     t2 = time.perf_counter()
     reports = coord.all_gather((entries, error))
     failed = [(rank, err) for rank, (_e, err) in enumerate(reports) if err is not None]
@@ -277,7 +277,7 @@ def _write_staged(
             final_name = commit_checkpoint(storage, staging, manifest).name
         except (OSError, StalwartError, ValueError) as exc:
             storage.abort(staging)
-            error, cause = f"{type(exc).__name__}: {exc}", exc
+            error, cause = f"{type(exc).__name__}: {exc}", (_find_os_error(exc) or exc)
     final_name, error = coord.broadcast((final_name, error))
     if final_name is None:
         raise CheckpointSaveError(f"committing step {step} failed: {error}") from cause
@@ -296,8 +296,30 @@ def _write_staged(
 
 def _first_failure(exc: CheckpointException) -> str:
     for rank, (inner, _trace) in sorted(exc.failures.items()):
-        return f"rank {rank}: {type(inner).__name__}: {inner}"
+        os_error = _find_os_error(inner)
+        # torch's zip writer turns ENOSPC/EFBIG into "unexpected pos"; name the real cause.
+        detail = (
+            f" (caused by {type(os_error).__name__}: {os_error})" if os_error is not None else ""
+        )
+        return f"rank {rank}: {type(inner).__name__}: {inner}{detail}"
     return str(exc)
+
+
+def _find_os_error(exc: BaseException | None) -> OSError | None:
+    """The first OSError in the cause/context chain of ``exc`` (DCP failures included)."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc] if exc is not None else []
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        if isinstance(e, CheckpointException):
+            stack.extend(inner for inner, _trace in e.failures.values())
+        stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return None
 
 
 _ERROR_TYPES: dict[str, type[StalwartError]] = {

@@ -34,7 +34,7 @@ __all__ = [
     "tree_digest",
 ]
 
-Fault = Literal["begin", "commit", "manifest_written", "fsync", "delete"]
+Fault = Literal["begin", "commit", "manifest_written", "fsync", "delete", "quarantine"]
 """Where ``FaultyStorage`` fails:
 
 - ``begin``: creating the staging directory (a run directory that turned read-only);
@@ -42,7 +42,8 @@ Fault = Literal["begin", "commit", "manifest_written", "fsync", "delete"]
 - ``manifest_written``: after MANIFEST.json was written into staging in full,
   before the rename (the worst moment: staging looks complete);
 - ``fsync``: the manifest's temporary file is written but its fsync reports EIO;
-- ``delete``: retention deleting an old step (a full disk cannot even rename).
+- ``delete``: retention deleting an old step (a full disk cannot even rename);
+- ``quarantine``: restore moving a corrupt step aside (a read-only run directory).
 """
 
 _ERRORS: dict[str, tuple[type[OSError], int]] = {
@@ -51,6 +52,7 @@ _ERRORS: dict[str, tuple[type[OSError], int]] = {
     "manifest_written": (OSError, errno.EIO),
     "fsync": (OSError, errno.EIO),
     "delete": (OSError, errno.ENOSPC),
+    "quarantine": (PermissionError, errno.EROFS),
 }
 
 
@@ -123,6 +125,11 @@ class FaultyStorage(LocalStorage):
         if self._armed("delete"):
             raise self._fail("delete", self.step_path(step))
         super().delete(step)
+
+    def quarantine(self, step: int) -> Path:
+        if self._armed("quarantine"):
+            raise self._fail("quarantine", self.step_path(step))
+        return super().quarantine(step)
 
 
 # ------------------------------------------------------------------ inspecting a run

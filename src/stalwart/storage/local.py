@@ -15,6 +15,7 @@ a power loss.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ from stalwart.storage.base import StepEntry, StepStatus
 
 __all__ = ["LocalStorage", "fsync_dir", "fsync_file", "step_dir_name"]
 
+logger = logging.getLogger("stalwart")
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
 _TMP_RE = re.compile(r"^\.step_(\d{9,})\.(tmp|del|corrupt)-[0-9a-f]+$")
 
@@ -91,7 +93,13 @@ class LocalStorage:
                     f"{final} appeared while committing; another writer is using {self.root}"
                 ) from exc
             raise
-        fsync_dir(self.root)
+        try:
+            fsync_dir(self.root)
+        except OSError as exc:
+            # The rename happened: the checkpoint exists and its files are durable.
+            # Only the new name may not survive a power loss, in which case the
+            # checkpoint simply does not exist; reporting failure here would be wrong.
+            logger.warning("fsync of %s after committing %s failed: %s", self.root, final.name, exc)
         return final
 
     def abort(self, staging: Path) -> None:
