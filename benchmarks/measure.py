@@ -15,9 +15,11 @@ import copy
 import json
 import math
 import os
+import resource
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -97,7 +99,7 @@ def width_for(state_bytes: int, blocks: int = N_BLOCKS) -> int:
     # params per block: 8 w^2 + 7 w; three fp32 copies (param, exp_avg, exp_avg_sq).
     per_block = state_bytes / blocks / 12
     width = (-7 + math.sqrt(49 + 32 * per_block)) / 16
-    return max(16, int(round(width / 16)) * 16)
+    return max(16, round(width / 16) * 16)
 
 
 def build_model(state_bytes: int, *, seed: int = 0) -> nn.Sequential:
@@ -154,6 +156,11 @@ def describe_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, An
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
+
+
+def best(values: list[float]) -> float:
+    """The fastest of the repeats: on a shared machine, noise only ever adds time."""
+    return min(values) if values else math.nan
 
 
 def fsync_path(path: Path) -> None:
@@ -220,82 +227,68 @@ def same_params(a: nn.Module, b: nn.Module) -> bool:
 # ----------------------------------------------------------------- references
 
 
-def job_references(state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
-    """Physical floors on the same bytes: memcpy, hashing, raw write+fsync, raw read."""
-    model, opt, _state = build_state(state_bytes)
-    tensors = state_tensors(model, opt)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    out: dict[str, Any] = {"bytes": nbytes, "state": describe_state(model, opt)}
+class References:
+    """Physical floors on the same bytes as the state: memcpy, hashing, raw write+fsync, raw read."""
 
-    # memcpy into preallocated (already faulted-in) buffers: the floor of a staged stall.
-    buffers = [torch.empty_like(t) for t in tensors]
-    for b, t in zip(buffers, tensors, strict=True):
-        b.copy_(t)
-    times = []
-    for _ in range(repeats):
+    def __init__(self, tensors: list[torch.Tensor], root: Path) -> None:
+        self.tensors = tensors
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        # Preallocated and faulted in: the copy a reused staging buffer would do.
+        self.buffers = [torch.empty_like(t) for t in tensors]
+        self.memcpy()
+        self.flat = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.flat.random_(0, 256)
+        self.view = memoryview(self.flat.numpy())
+        self.readbuf = bytearray(_IO_CHUNK)
+        self.page_cache_drop = True
+
+    def memcpy(self) -> float:
         t0 = time.perf_counter()
-        for b, t in zip(buffers, tensors, strict=True):
+        for b, t in zip(self.buffers, self.tensors, strict=True):
             b.copy_(t)
-        times.append(time.perf_counter() - t0)
-    out["memcpy_s"] = median(times)
-    del buffers
+        return time.perf_counter() - t0
 
-    # clone into fresh allocations: what a copy costs when the pages must be faulted in.
-    times = []
-    for _ in range(repeats):
+    def clone(self) -> float:
+        """The same copy into fresh allocations, whose pages fault in on first touch."""
         t0 = time.perf_counter()
-        clones = [t.clone() for t in tensors]
-        times.append(time.perf_counter() - t0)
+        clones = [t.clone() for t in self.tensors]
+        elapsed = time.perf_counter() - t0
         del clones
-    out["clone_s"] = median(times)
+        return elapsed
 
-    flat = torch.empty(nbytes, dtype=torch.uint8)
-    flat.random_(0, 256)
-    view = memoryview(flat.numpy())
+    def xxh3(self) -> float:
+        import xxhash  # stalwart's checksum
 
-    import xxhash  # stalwart's checksum
-
-    times = []
-    for _ in range(repeats):
         t0 = time.perf_counter()
-        xxhash.xxh3_128(view).hexdigest()
-        times.append(time.perf_counter() - t0)
-    out["xxh3_s"] = median(times)
+        xxhash.xxh3_128(self.view).hexdigest()
+        return time.perf_counter() - t0
 
-    root = Path(tempfile.mkdtemp(prefix="raw-", dir=workdir))
-    write_times, cold_times, warm_times = [], [], []
-    cold_ok = True
-    readbuf = bytearray(_IO_CHUNK)
-    try:
-        for i in range(repeats):
-            # A new file each time: a checkpoint never overwrites blocks in place, and
-            # allocating fresh blocks is part of the cost on ext4/xfs.
-            path = root / f"raw{i}.bin"
-            t0 = time.perf_counter()
-            with open(path, "wb", buffering=0) as f:
-                for off in range(0, nbytes, _WRITE_CHUNK):
-                    f.write(view[off : off + _WRITE_CHUNK])
-                os.fsync(f.fileno())
-            fsync_path(root)
-            write_times.append(time.perf_counter() - t0)
-            for cold in (True, False):
-                if cold:
-                    cold_ok = drop_page_cache(path) and cold_ok
-                t0 = time.perf_counter()
-                with open(path, "rb", buffering=0) as f:
-                    while f.readinto(readbuf):
-                        pass
-                (cold_times if cold else warm_times).append(time.perf_counter() - t0)
-            path.unlink()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    out.update(
-        raw_write_s=median(write_times),
-        raw_read_cold_s=median(cold_times),
-        raw_read_warm_s=median(warm_times),
-        page_cache_drop=cold_ok,
-    )
-    return out
+    def write(self, i: int) -> tuple[float, float, Path]:
+        """Write the bytes to a new file and fsync it and its directory: (seconds, CPU seconds, path).
+
+        A new file each time: a checkpoint never overwrites blocks in place, and
+        allocating fresh blocks is part of the cost on ext4/xfs.
+        """
+        path = self.root / f"raw{i}.bin"
+        c0 = cpu_seconds()
+        t0 = time.perf_counter()
+        with open(path, "wb", buffering=0) as f:
+            for off in range(0, self.nbytes, _WRITE_CHUNK):
+                f.write(self.view[off : off + _WRITE_CHUNK])
+            os.fsync(f.fileno())
+        fsync_path(self.root)
+        return time.perf_counter() - t0, cpu_seconds() - c0, path
+
+    def read(self, path: Path, *, cold: bool) -> float:
+        if cold:
+            self.page_cache_drop = drop_page_cache(path) and self.page_cache_drop
+        t0 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(self.readbuf):
+                pass
+        return time.perf_counter() - t0
 
 
 # -------------------------------------------------------------------- methods
@@ -363,7 +356,9 @@ class StalwartMethod(Method):
 
     def details(self) -> dict[str, Any]:
         keys = ("stall_s", "stage_s", "write_s", "checksum_s", "commit_s", "total_s")
-        return {"events": {k: median([float(e.get(k, math.nan)) for e in self.events]) for k in keys}}
+        # The phases of the fastest save, so that they add up to its total.
+        fastest = min(self.events, key=lambda e: float(e["total_s"]))
+        return {"events": {k: float(fastest.get(k, math.nan)) for k in keys}}
 
     def close(self) -> None:
         self.mgr.close()
@@ -463,6 +458,21 @@ SAVE_METHODS = tuple(METHODS)
 TINY_BYTES = 64 * 1024
 
 
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and its live children (DCP's worker)."""
+    import multiprocessing
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    total = usage.ru_utime + usage.ru_stime
+    ticks = os.sysconf("SC_CLK_TCK")
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{child.pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
 def _child_processes_hwm_kib() -> int:
     import multiprocessing
 
@@ -494,10 +504,12 @@ def _stalwart_stall_breakdown(
         get_sd.append(t1 - t0)
         train_sd.append(t2 - t1)
         stage.append(t3 - t2)
+    # The parts of the fastest repeat, so that they add up.
+    i = min(range(repeats), key=lambda k: train_sd[k] + stage[k])
     return {
-        "get_state_dict_s": median(get_sd),
-        "trainstate_state_dict_s": median(train_sd),
-        "stage_copy_s": median(stage),
+        "get_state_dict_s": get_sd[i],
+        "trainstate_state_dict_s": train_sd[i],
+        "stage_copy_s": stage[i],
     }
 
 
@@ -519,28 +531,6 @@ def _stalwart_restore_breakdown(path: Path) -> dict[str, float]:
     return out
 
 
-def _time_restores(
-    method: Method, path: Path, target: tuple[Any, Any, Any], repeats: int
-) -> dict[str, Any]:
-    warm, cold, rss = [], [], []
-    cold_ok = True
-    for _ in range(repeats):
-        for is_cold in (True, False):
-            if is_cold:
-                cold_ok = drop_page_cache(path) and cold_ok
-            with PeakRSS() as peak:
-                t0 = time.perf_counter()
-                method.restore(path, *target)
-                (cold if is_cold else warm).append(time.perf_counter() - t0)
-            rss.append(peak.delta_mib)
-    return {
-        "restore_warm_s": median(warm),
-        "restore_cold_s": median(cold),
-        "restore_peak_rss_mib": max(rss),
-        "page_cache_drop": cold_ok,
-    }
-
-
 def _scrambled_copy(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Any, Any, Any]:
     """A restore target shaped like (model, opt) with different values (cheaper than building one)."""
     target_model, target_opt = copy.deepcopy((model, opt))
@@ -550,16 +540,156 @@ def _scrambled_copy(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Any, 
     return target_model, target_opt, stalwart.TrainState(model=target_model, optimizer=target_opt)
 
 
-def job_save(method: str, state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
-    """Save with one method (and restore, for the methods with their own format)."""
+def _warm_up(cls: type[Method], root: Path) -> dict[str, float]:
+    """One save (and restore) of a tiny state: lazy imports, first-call costs, DCP's worker."""
+    tiny = build_state(TINY_BYTES)
+    m = cls(root, *tiny)
+    try:
+        stall, e2e, path = m.save(0)
+        if cls.restores:
+            m.restore(path, *_scrambled_copy(tiny[0], tiny[1]))
+    finally:
+        m.close()
+    return {"stall_s": stall, "e2e_s": e2e}
+
+
+def _remove_checkpoint(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+INTERLEAVED = tuple(name for name in METHODS if name != "dcp_async_process")
+
+
+def job_timing(state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
+    """Time every method and every reference on one state, interleaved: each round runs
+    all of them once, so a neighbour's burst on a shared machine hits them alike.
+
+    dcp.async_save (process) is left out: it needs a process group, and with one
+    initialized stalwart and DCP take their distributed code paths (see job_isolated).
+    """
+    model, opt, state = build_state(state_bytes)
+    root = Path(tempfile.mkdtemp(prefix="timing-", dir=workdir))
+    samples: dict[str, dict[str, list[Any]]] = {
+        name: {k: [] for k in ("stall", "e2e", "cpu", "cold", "warm")} for name in INTERLEAVED
+    }
+    ref_samples: dict[str, list[float]] = {
+        k: [] for k in ("memcpy", "clone", "xxh3", "write", "write_cpu", "cold", "warm")
+    }
+    first_call = {name: _warm_up(METHODS[name], root / "warmup" / name) for name in INTERLEAVED}
+    methods = {name: METHODS[name](root / name, model, opt, state) for name in INTERLEAVED}
+    refs = References(state_tensors(model, opt), root / "raw")
+    target = _scrambled_copy(model, opt)
+    latest: dict[str, Path] = {}
+    try:
+        for i in range(1, max(repeats, 3) + 1):
+            ref_samples["memcpy"].append(refs.memcpy())
+            ref_samples["clone"].append(refs.clone())
+            ref_samples["xxh3"].append(refs.xxh3())
+            elapsed, cpu, raw = refs.write(i)
+            ref_samples["write"].append(elapsed)
+            ref_samples["write_cpu"].append(cpu)
+            ref_samples["cold"].append(refs.read(raw, cold=True))
+            ref_samples["warm"].append(refs.read(raw, cold=False))
+            raw.unlink()
+            if i > repeats:
+                continue  # the references get at least three rounds: every ratio divides by them
+            for name, m in methods.items():
+                cpu_before = cpu_seconds()
+                stall, e2e, path = m.save(i)
+                # Nothing else runs here, so this is the save's own CPU time: for a
+                # background save, what it takes from the training step's cores.
+                samples[name]["cpu"].append(cpu_seconds() - cpu_before)
+                samples[name]["stall"].append(stall)
+                samples[name]["e2e"].append(e2e)
+                if name in latest:
+                    _remove_checkpoint(latest[name])
+                latest[name] = path
+            for name, m in methods.items():
+                if not m.restores:
+                    continue
+                for cold in (True, False):
+                    if cold:
+                        drop_page_cache(latest[name])
+                    t0 = time.perf_counter()
+                    m.restore(latest[name], *target)
+                    samples[name]["cold" if cold else "warm"].append(time.perf_counter() - t0)
+                assert same_params(target[0], model), (
+                    f"{name}: restore did not bring the parameters back"
+                )
+                with torch.no_grad():
+                    for p in target[0].parameters():
+                        p.zero_()
+        out: dict[str, Any] = {
+            "bytes": refs.nbytes,
+            "state": describe_state(model, opt),
+            "torch_threads": torch.get_num_threads(),
+            "references": {
+                "memcpy_s": best(ref_samples["memcpy"]),
+                "clone_s": best(ref_samples["clone"]),
+                "xxh3_s": best(ref_samples["xxh3"]),
+                "raw_write_s": best(ref_samples["write"]),
+                "raw_write_cpu_s": best(ref_samples["write_cpu"]),
+                "raw_read_cold_s": best(ref_samples["cold"]),
+                "raw_read_warm_s": best(ref_samples["warm"]),
+                "page_cache_drop": refs.page_cache_drop,
+                "samples": ref_samples,
+            },
+            "methods": {},
+        }
+        for name, m in methods.items():
+            smp = samples[name]
+            result: dict[str, Any] = {
+                "stall_s": best(smp["stall"]),
+                "e2e_s": best(smp["e2e"]),
+                "cpu_s": best(smp["cpu"]),
+                "stall_median_s": median(smp["stall"]),
+                "e2e_median_s": median(smp["e2e"]),
+                "repeats": repeats,
+                "disk_bytes": tree_bytes(latest[name]),
+                "first_call": first_call[name],
+                "samples": {k: v for k, v in smp.items() if v},
+                **m.details(),
+            }
+            if m.restores:
+                result["restore"] = {
+                    "restore_cold_s": best(smp["cold"]),
+                    "restore_warm_s": best(smp["warm"]),
+                    "restore_cold_median_s": median(smp["cold"]),
+                    "restore_warm_median_s": median(smp["warm"]),
+                    "page_cache_drop": refs.page_cache_drop,
+                }
+            out["methods"][name] = result
+        out["methods"]["stalwart_async"]["breakdown"] = _stalwart_stall_breakdown(
+            model, opt, state, repeats
+        )
+        out["methods"]["stalwart_sync"]["restore"]["breakdown"] = _stalwart_restore_breakdown(
+            latest["stalwart_sync"]
+        )
+    finally:
+        for m in methods.values():
+            m.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def job_isolated(method: str, state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
+    """Peak RSS of one method's save (and restore) in a process of its own.
+
+    For dcp.async_save (process), which needs a process group, this is also where it
+    is timed (best of ``repeats``): DCP's process executor reads the rank and
+    broadcasts a TCPStore address over the default group, and fails without one
+    ("Default process group has not been initialized"); a single-rank gloo group on
+    a FileStore satisfies it.
+    """
     cls = METHODS[method]
     model, opt, state = build_state(state_bytes)
     root = Path(tempfile.mkdtemp(prefix=f"{method}-", dir=workdir))
-    out: dict[str, Any] = {"bytes": state_nbytes(model, opt), "notes": []}
-    if cls is DcpAsyncProcessMethod:
-        # DCP's process-based executor reads the rank and broadcasts a TCPStore address
-        # over the default group, so without one it fails ("Default process group has
-        # not been initialized"); a single-rank gloo group on a FileStore satisfies it.
+    out: dict[str, Any] = {"notes": []}
+    process = cls is DcpAsyncProcessMethod
+    if process:
         import torch.distributed as dist
 
         dist.init_process_group(
@@ -567,46 +697,43 @@ def job_save(method: str, state_bytes: int, repeats: int, workdir: str) -> dict[
         )
         out["notes"].append("needs a process group: single-rank gloo on a FileStore")
     try:
-        # Warm-up on a tiny state: lazy imports, first-call costs, DCP's worker process.
-        tiny = build_state(TINY_BYTES)
-        warm = cls(root / "warmup", *tiny)
-        t_stall, t_e2e, tiny_path = warm.save(0)
-        if cls.restores:
-            warm.restore(tiny_path, *_scrambled_copy(tiny[0], tiny[1]))
-        warm.close()
-        out["first_call"] = {"stall_s": t_stall, "e2e_s": t_e2e}
-
+        out["first_call"] = _warm_up(cls, root / "warmup")
         m = cls(root / "timed", model, opt, state)
-        stalls, e2e, rss, child_rss = [], [], [], []
+        stalls, e2e, cpu, rss, child_rss = [], [], [], [], []
         path = root
-        for i in range(1, repeats + 1):
+        for i in range(1, (repeats if process else 1) + 1):
             child_before = _child_processes_hwm_kib()
+            cpu_before = cpu_seconds()
             with PeakRSS() as peak:
                 stall, total, path = m.save(i)
+            cpu.append(cpu_seconds() - cpu_before)
             stalls.append(stall)
             e2e.append(total)
             rss.append(peak.delta_mib)
             child_rss.append((_child_processes_hwm_kib() - child_before) / 1024)
-        out.update(
-            stall_s=median(stalls),
-            e2e_s=median(e2e),
-            peak_rss_mib=max(rss),
-            disk_bytes=tree_bytes(path),
-            **m.details(),
-        )
-        if cls is DcpAsyncProcessMethod:
-            out["worker_peak_rss_growth_mib"] = max(child_rss)
-        if cls is StalwartAsyncMethod:
-            out["breakdown"] = _stalwart_stall_breakdown(model, opt, state, repeats)
+        out["peak_rss_mib"] = max(rss)
+        out["isolated"] = {"stall_s": best(stalls), "e2e_s": best(e2e), "cpu_s": best(cpu)}
+        if process:
+            out.update(
+                stall_s=best(stalls),
+                e2e_s=best(e2e),
+                cpu_s=best(cpu),
+                stall_median_s=median(stalls),
+                e2e_median_s=median(e2e),
+                repeats=repeats,
+                disk_bytes=tree_bytes(path),
+                worker_peak_rss_growth_mib=max(child_rss),
+                samples={"stall": stalls, "e2e": e2e, "cpu": cpu},
+            )
+            out["notes"].append("timed in its own process, not interleaved with the others")
         if cls.restores:
             target = _scrambled_copy(model, opt)
-            out["restore"] = _time_restores(m, path, target, repeats)
-            assert same_params(target[0], model), f"{method}: restore did not bring the parameters back"
-            if cls is StalwartMethod:
-                out["restore"]["breakdown"] = _stalwart_restore_breakdown(path)
+            with PeakRSS() as peak:
+                m.restore(path, *target)
+            out["restore_peak_rss_mib"] = peak.delta_mib
         m.close()
     finally:
-        if cls is DcpAsyncProcessMethod:
+        if process:
             import torch.distributed as dist
 
             dist.destroy_process_group()
@@ -616,7 +743,7 @@ def job_save(method: str, state_bytes: int, repeats: int, workdir: str) -> dict[
 
 # -------------------------------------------------------------- training loop
 
-TRAIN_VARIANTS = ("stalwart_sync", "stalwart_async", "torch_save")
+TRAIN_VARIANTS = ("stalwart_sync", "stalwart_async", "torch_save", "floor_async")
 
 
 def _make_step(model: nn.Module, opt: torch.optim.Optimizer, batch: int) -> Callable[[], None]:
@@ -639,17 +766,16 @@ def job_train(
     every: int,
     segment_steps: int,
     rounds: int,
-    threads: int,
     workdir: str,
 ) -> dict[str, Any]:
     """Wall time of ``segment_steps`` training steps with a checkpoint every ``every`` steps,
     over the same number of steps without. Segments alternate (without, with, without, ...)
     and the medians are compared, so drift and a neighbour's burst on a shared host hit
     both sides alike."""
-    # Intra-op threads for the training step. With every core in torch's pool, any
-    # background thread (the async writer) preempts a pool thread and the whole
-    # parallel region waits for it; a GPU trainer's host has spare cores instead.
-    torch.set_num_threads(threads)
+    # Intra-op threads are set by the runner (--threads, default 1). With every core in
+    # torch's pool, a background writer preempts a pool thread and the whole parallel
+    # region waits for it; a GPU trainer's host has spare cores instead.
+    threads = torch.get_num_threads()
     model, opt, state = build_state(state_bytes)
     batch = 8
     step = _make_step(model, opt, batch)
@@ -711,13 +837,48 @@ def job_train(
         def close() -> None:
             pass
 
+    elif variant == "floor_async":
+        # The physical floor of async checkpointing: memcpy into preallocated buffers,
+        # then one thread writes the raw bytes to a new file and fsyncs it.
+        mgr = None
+        tensors = state_tensors(model, opt)
+        buffers = [torch.empty_like(t) for t in tensors]
+        writer: list[threading.Thread] = []
+
+        def write(i: int) -> None:
+            with open(root / f"raw_{i}.bin", "wb", buffering=0) as f:
+                for b in buffers:
+                    f.write(memoryview(b.numpy()).cast("B"))
+                os.fsync(f.fileno())
+            fsync_path(root)
+            (root / f"raw_{i - 3 * every}.bin").unlink(missing_ok=True)
+
+        def checkpoint(i: int) -> None:
+            nonlocal saves
+            if i % every:
+                return
+            finish()  # at most one save in flight, as stalwart's AsyncSaver
+            for b, t in zip(buffers, tensors, strict=True):
+                b.copy_(t)
+            thread = threading.Thread(target=write, args=(i,))
+            thread.start()
+            writer.append(thread)
+            saves += 1
+
+        def finish() -> None:
+            while writer:
+                writer.pop().join()
+
+        def close() -> None:
+            finish()
+
     else:
         raise ValueError(f"unknown variant {variant!r}; known: {', '.join(TRAIN_VARIANTS)}")
 
     checkpoint(0)  # warm-up: lazy imports and first-call costs are not the loop's overhead
     finish()
     saves = 0
-    base_times, ckpt_times = [], []
+    base_times, ckpt_times, blocked_times, save_calls = [], [], [], []
     # Start half an interval in, so a segment ends half an interval after its last save:
     # waiting for that save at the segment's end then charges only what a steady-state
     # loop would also wait for, not a whole save started on the segment's last step.
@@ -728,13 +889,32 @@ def job_train(
             for _ in range(segment_steps):
                 step()
             base_times.append(time.perf_counter() - t0)
+            blocked = 0.0
             t0 = time.perf_counter()
             for _ in range(segment_steps):
                 step()
                 counter += 1
+                before = saves
+                t1 = time.perf_counter()
                 checkpoint(counter)
+                t2 = time.perf_counter()
+                blocked += t2 - t1
+                if saves > before:
+                    save_calls.append(t2 - t1)
+            t1 = time.perf_counter()
             finish()  # an in-flight async save is charged to the segment that started it
-            ckpt_times.append(time.perf_counter() - t0)
+            t2 = time.perf_counter()
+            ckpt_times.append(t2 - t0)
+            blocked_times.append(blocked + t2 - t1)
+        close()
+        logged_stalls = []
+        if mgr is not None:
+            # What the manager itself reports as the stall of each save, to set beside
+            # the time the loop actually spent inside save().
+            for line in (root / "run" / "events.jsonl").read_text(encoding="utf-8").splitlines():
+                event = json.loads(line)
+                if event.get("event") == "save" and event.get("step", 0) > 0:
+                    logged_stalls.append(float(event["stall_s"]))
     finally:
         close()
         shutil.rmtree(root, ignore_errors=True)
@@ -750,20 +930,30 @@ def job_train(
         "saves": saves,
         "base_segments_s": base_times,
         "ckpt_segments_s": ckpt_times,
+        "blocked_segments_s": blocked_times,
+        "save_call_s": median(save_calls),
+        "save_call_max_s": max(save_calls, default=math.nan),
+        "logged_stall_s": median(logged_stalls),
         "base_s": base,
         "ckpt_s": ckpt,
         "overhead": ckpt / base - 1,
+        # The overhead splits into time the loop sat inside save() (or waited for a
+        # save at a segment's end) and steps that ran slower beside a background save.
+        "blocked_share": median(blocked_times) / base,
+        "background_share": (ckpt - median(blocked_times)) / base - 1,
     }
 
 
 JOBS: dict[str, Callable[..., dict[str, Any]]] = {
-    "references": job_references,
-    "save": job_save,
+    "timing": job_timing,
+    "isolated": job_isolated,
     "train": job_train,
 }
 
 
-def run_child(job: str, kwargs: dict[str, Any], result_path: str, log_path: str) -> None:
+def run_child(
+    job: str, kwargs: dict[str, Any], result_path: str, log_path: str, *, threads: int = 0
+) -> None:
     """Entry point of one benchmark process: run ``job``, write its JSON to ``result_path``.
 
     stdout and stderr go to ``log_path`` so that library chatter (DCP's process
@@ -774,6 +964,8 @@ def run_child(job: str, kwargs: dict[str, Any], result_path: str, log_path: str)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
+    if threads > 0:
+        torch.set_num_threads(threads)
     try:
         result: dict[str, Any] = {"ok": True, "result": JOBS[job](**kwargs)}
     except BaseException as exc:  # DCP's CheckpointException is a BaseException

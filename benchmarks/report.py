@@ -16,6 +16,10 @@ NAMES = {
     "dcp_async_thread": "dcp.async_save (thread)",
     "dcp_async_process": "dcp.async_save (process)",
 }
+TRAIN_NAMES = {
+    **NAMES,
+    "floor_async": "*ref: memcpy + raw write in a thread (async floor)*",
+}
 RESTORE_NAMES = {
     "stalwart_sync": "stalwart restore (verified)",
     "torch_save": "torch.load(weights_only=True)",
@@ -51,7 +55,6 @@ def analyze(results: dict[str, Any]) -> None:
     targets: list[dict[str, Any]] = []
     for entry in results["sizes"]:
         refs, methods = entry["references"], entry["methods"]
-        nbytes = entry["bytes"]
         r: dict[str, Any] = {
             "stall_x_memcpy": {},
             "persist_x_raw_write": {},
@@ -74,12 +77,18 @@ def analyze(results: dict[str, Any]) -> None:
             r["persist_x_raw_write"][name] = _div(refs["raw_write_s"], m["e2e_s"])
             if _ok(m.get("restore")):
                 rs = m["restore"]
-                r["restore_cold_x_raw_read"][name] = _div(refs["raw_read_cold_s"], rs["restore_cold_s"])
-                r["restore_warm_x_raw_read"][name] = _div(refs["raw_read_warm_s"], rs["restore_warm_s"])
+                r["restore_cold_x_raw_read"][name] = _div(
+                    refs["raw_read_cold_s"], rs["restore_cold_s"]
+                )
+                r["restore_warm_x_raw_read"][name] = _div(
+                    refs["raw_read_warm_s"], rs["restore_warm_s"]
+                )
         sa, ss = methods.get("stalwart_async"), methods.get("stalwart_sync")
         for peer in STALL_PEERS:
             if _ok(sa) and _ok(methods.get(peer)):
-                r["stalwart_async_stall_over_peer"][peer] = _div(sa["stall_s"], methods[peer]["stall_s"])
+                r["stalwart_async_stall_over_peer"][peer] = _div(
+                    sa["stall_s"], methods[peer]["stall_s"]
+                )
         for peer in SYNC_PEERS:
             if _ok(ss) and _ok(methods.get(peer)):
                 r["stalwart_sync_save_over_peer"][peer] = _div(ss["e2e_s"], methods[peer]["e2e_s"])
@@ -89,8 +98,12 @@ def analyze(results: dict[str, Any]) -> None:
         for peer in RESTORE_PEERS:
             if _ok(ss) and _ok(methods.get(peer)) and "restore" in methods[peer]:
                 mine, theirs = ss["restore"], methods[peer]["restore"]
-                r["stalwart_restore_cold_over_peer"][peer] = _div(mine["restore_cold_s"], theirs["restore_cold_s"])
-                r["stalwart_restore_warm_over_peer"][peer] = _div(mine["restore_warm_s"], theirs["restore_warm_s"])
+                r["stalwart_restore_cold_over_peer"][peer] = _div(
+                    mine["restore_cold_s"], theirs["restore_cold_s"]
+                )
+                r["stalwart_restore_warm_over_peer"][peer] = _div(
+                    mine["restore_warm_s"], theirs["restore_warm_s"]
+                )
 
         size = entry["label"]
         if _ok(sa):
@@ -119,7 +132,8 @@ def analyze(results: dict[str, Any]) -> None:
                         peers[worst],
                         "< 1x the fastest peer",
                         all(v < 1 for v in peers.values()),
-                        "stalwart async ÷ " + ", ".join(f"{NAMES[p]} {v:.2f}x" for p, v in peers.items()),
+                        "stalwart async ÷ "
+                        + ", ".join(f"{NAMES[p]} {v:.2f}x" for p, v in peers.items()),
                     )
                 )
         if _ok(ss):
@@ -157,26 +171,33 @@ def analyze(results: dict[str, Any]) -> None:
                 )
 
     training = results.get("training")
-    if training:
-        variants = training["variants"]
-        ta, tt = variants.get("stalwart_async"), variants.get("torch_save")
-        if _ok(ta) and _ok(tt):
-            regime = tt["overhead"] > TRAIN_REGIME_TORCH_SAVE
-            ts = variants.get("stalwart_sync", {})
-            targets.append(
-                _target(
-                    "training overhead, async every few steps <= 5% (where torch.save > 30%)",
-                    _size_of(ta["bytes"]),
-                    ta["overhead"],
-                    f"<= {TARGET_TRAIN_OVERHEAD:.0%}",
-                    ta["overhead"] <= TARGET_TRAIN_OVERHEAD if regime else None,
-                    f"every {ta['every']} steps of {_ms(ta['step_s'])}: stalwart async "
-                    f"{ta['overhead']:+.1%}, stalwart sync "
-                    f"{ts.get('overhead', math.nan):+.1%}, torch.save {tt['overhead']:+.1%}"
-                    + ("" if regime else " (torch.save is not above 30%: outside the target's regime)"),
-                    percent=True,
+    for every in sorted({r["every"] for r in training["runs"]} if training else ()):
+        by = {r["variant"]: r for r in training["runs"] if r["every"] == every}
+        ta, tt, ts = by.get("stalwart_async"), by.get("torch_save"), by.get("stalwart_sync")
+        tf = by.get("floor_async")
+        if not (_ok(ta) and _ok(tt)):
+            continue
+        regime = tt["overhead"] > TRAIN_REGIME_TORCH_SAVE
+        targets.append(
+            _target(
+                "training overhead, async every few steps <= 5% (where torch.save > 30%)",
+                f"{_size_of(ta['bytes'])}, every {every}",
+                ta["overhead"],
+                f"<= {TARGET_TRAIN_OVERHEAD:.0%}",
+                ta["overhead"] <= TARGET_TRAIN_OVERHEAD if regime else None,
+                f"steps of {_ms(ta['step_s'])}: stalwart async {ta['overhead']:+.1%} "
+                f"(blocked in save {ta['blocked_share']:+.1%}, slower steps beside the "
+                f"background save {ta['background_share']:+.1%}), stalwart sync "
+                f"{ts['overhead'] if _ok(ts) else math.nan:+.1%}, torch.save {tt['overhead']:+.1%}"
+                + (
+                    f", async floor (memcpy + raw write thread) {tf['overhead']:+.1%}"
+                    if _ok(tf)
+                    else ""
                 )
+                + ("" if regime else "; torch.save is not above 30%: outside the target's regime"),
+                percent=True,
             )
+        )
     results["targets"] = targets
 
 
@@ -229,20 +250,29 @@ def markdown(results: dict[str, Any]) -> str:
     add(f"- date: {meta['date']}; took {meta.get('elapsed_s', '?')} s")
     add(
         f"- torch {meta['torch']}, stalwart {meta['stalwart']}, python {meta['python']}, "
-        f"{meta['cpus']} CPUs ({meta['torch_threads']} torch threads), {meta['platform']}"
+        f"{meta['cpus']} CPUs (torch intra-op threads per measurement: {meta['torch_threads']}, see --threads), {meta['platform']}"
     )
     add(f"- checkpoints written to {meta['filesystem']}")
     add(
-        f"- each number is the median of {meta['repeats']} timed repeat(s) after one warm-up, "
-        "each method in its own fresh process; compare ratios within this run, not absolute "
-        "times across runs (a shared, noisy machine)\n"
+        f"- load average (1 min) at start {meta.get('loadavg_start', '?')}, at end "
+        f"{meta.get('loadavg_end', '?')}: other work on the machine shares its cores and disk"
+    )
+    add(
+        f"- save and restore times are the best of {meta['repeats']} rounds (medians and samples "
+        "are in the JSON) in one process that runs every method and reference once per round, "
+        "interleaved, so a neighbour's burst hits them alike; a tiny warm-up save first pays "
+        "lazy imports. Peak RSS comes from each method in a fresh process of its own. The "
+        "training loop compares medians of alternating segments. Compare ratios within this "
+        "run, not absolute times across runs (a shared, noisy machine)\n"
     )
 
     add("## Targets\n")
     add("| target | state | measured | goal | result | how it splits |")
     add("|---|---|---|---|---|---|")
     for t in results.get("targets", []):
-        add(f"| {t['target']} | {t['size']} | {t['shown']} | {t['goal']} | **{t['status']}** | {t['detail']} |")
+        add(
+            f"| {t['target']} | {t['size']} | {t['shown']} | {t['goal']} | **{t['status']}** | {t['detail']} |"
+        )
     add("")
 
     for entry in results["sizes"]:
@@ -264,32 +294,65 @@ def _size_section(entry: dict[str, Any], meta: dict[str, Any], add: Any) -> None
         f"## Save, state ~{entry['label']} ({nbytes:,} bytes: {st['params']:,} fp32 params + "
         f"AdamW exp_avg/exp_avg_sq/step, {st['tensors']} tensors, {st['blocks']} blocks of width {st['width']})\n"
     )
-    add("| method | stall | stall ÷ memcpy | save until durable | MiB/s | ÷ raw write | peak RSS + | notes |")
-    add("|---|---|---|---|---|---|---|---|")
+    add(
+        "| method | stall | stall ÷ memcpy | save until durable | MiB/s | ÷ raw write | CPU time "
+        "| CPU ÷ raw write's | peak RSS + | notes |"
+    )
+    add("|---|---|---|---|---|---|---|---|---|---|")
     mibs = nbytes / MiB
-    add(f"| *ref: memcpy into preallocated buffers* | {_ms(refs['memcpy_s'])} | 1.00x | | | | | floor of a staged stall |")
-    add(
-        f"| *ref: clone into fresh memory* | {_ms(refs['clone_s'])} | "
-        f"{_num(refs['clone_s'] / refs['memcpy_s'])}x | | | | | same copy, pages faulted in on first touch |"
+
+    def row(*cells: str) -> None:
+        cells = cells + ("",) * (10 - len(cells))
+        add("| " + " | ".join(cells) + " |")
+
+    wcpu = refs.get("raw_write_cpu_s")
+    row(
+        "*ref: memcpy into preallocated buffers*",
+        _ms(refs["memcpy_s"]),
+        "1.00x",
+        *[""] * 6,
+        "floor of a staged stall",
     )
-    add(
-        f"| *ref: xxh3-128 of the bytes in memory* | | | {_ms(refs['xxh3_s'])} | {mibs / refs['xxh3_s']:,.0f} | "
-        f"{_num(refs['raw_write_s'] / refs['xxh3_s'])} | | checksum cost alone |"
+    row(
+        "*ref: clone into fresh memory*",
+        _ms(refs["clone_s"]),
+        f"{_num(refs['clone_s'] / refs['memcpy_s'])}x",
+        *[""] * 6,
+        "the same copy, pages faulted in on first touch",
     )
-    add(
-        f"| *ref: raw sequential write + fsync* | | | {_ms(refs['raw_write_s'])} | "
-        f"{mibs / refs['raw_write_s']:,.0f} | 1.00 | | floor of persist (a new file) |"
+    row(
+        "*ref: xxh3-128 of the bytes in memory*",
+        "",
+        "",
+        _ms(refs["xxh3_s"]),
+        f"{mibs / refs['xxh3_s']:,.0f}",
+        _num(refs["raw_write_s"] / refs["xxh3_s"]),
+        *[""] * 3,
+        "the checksum's own cost",
+    )
+    row(
+        "*ref: raw sequential write + fsync*",
+        "",
+        "",
+        _ms(refs["raw_write_s"]),
+        f"{mibs / refs['raw_write_s']:,.0f}",
+        "1.00",
+        _ms(wcpu),
+        "1.00",
+        "",
+        "floor of persist (a new file)",
     )
     r = entry["ratios"]
     for name, m in methods.items():
         if not _ok(m):
-            add(f"| {NAMES[name]} | error | | | | | | {m.get('error', '?') if m else '?'} |")
+            row(NAMES[name], "error", *[""] * 7, m.get("error", "?") if m else "?")
             continue
         notes = []
         if name == "stalwart_sync":
             ev = m["events"]
             notes.append(
-                f"events: write {_ms(ev['write_s'])}, checksum {_ms(ev['checksum_s'])}, commit {_ms(ev['commit_s'])}"
+                f"events: write {_ms(ev['write_s'])}, checksum {_ms(ev['checksum_s'])}, "
+                f"commit {_ms(ev['commit_s'])}"
             )
         if name == "stalwart_async":
             b = m["breakdown"]
@@ -299,35 +362,52 @@ def _size_section(entry: dict[str, Any], meta: dict[str, Any], add: Any) -> None
             )
         if "worker_peak_rss_growth_mib" in m:
             notes.append(f"+ worker process {m['worker_peak_rss_growth_mib']:.0f} MiB")
-        for n in m.get("notes", []):
-            if n.startswith("needs"):
-                notes.append(n)
-        add(
-            f"| {NAMES[name]} | {_ms(m['stall_s'])} | {_num(r['stall_x_memcpy'].get(name))}x | "
-            f"{_ms(m['e2e_s'])} | {mibs / m['e2e_s']:,.0f} | {_num(r['persist_x_raw_write'].get(name))} | "
-            f"{m['peak_rss_mib']:.0f} MiB | {'; '.join(notes)} |"
+        notes.extend(m.get("notes", []))
+        row(
+            NAMES[name],
+            _ms(m["stall_s"]),
+            f"{_num(r['stall_x_memcpy'].get(name))}x",
+            _ms(m["e2e_s"]),
+            f"{mibs / m['e2e_s']:,.0f}",
+            _num(r["persist_x_raw_write"].get(name)),
+            _ms(m.get("cpu_s")),
+            _num(_div(m.get("cpu_s"), wcpu)),
+            f"{m['peak_rss_mib']:.0f} MiB",
+            "; ".join(notes),
         )
-    add(f"| Lightning TorchCheckpointIO / AsyncCheckpointIO | {meta['lightning']} | | | | | | |")
+    row("Lightning TorchCheckpointIO / AsyncCheckpointIO", meta["lightning"])
+
     add("")
 
     add(f"## Restore, state ~{entry['label']}\n")
-    add("| method | cold cache | warm cache | cold MiB/s | cold ÷ raw read | warm ÷ raw read | peak RSS + |")
-    add("|---|---|---|---|---|---|---|")
+    add(
+        "| method | cold cache | warm cache | cold MiB/s | cold ÷ raw read | warm ÷ raw read | peak RSS + | notes |"
+    )
+    add("|---|---|---|---|---|---|---|---|")
     cache_note = "" if refs.get("page_cache_drop") else " (page-cache drop failed: cold = warm)"
     add(
         f"| *ref: raw sequential read{cache_note}* | {_ms(refs['raw_read_cold_s'])} | "
-        f"{_ms(refs['raw_read_warm_s'])} | {mibs / refs['raw_read_cold_s']:,.0f} | 1.00 | 1.00 | |"
+        f"{_ms(refs['raw_read_warm_s'])} | {mibs / refs['raw_read_cold_s']:,.0f} | 1.00 | 1.00 | | |"
     )
     for name, label in RESTORE_NAMES.items():
         m = methods.get(name)
         if not _ok(m) or not _ok(m.get("restore")):
-            add(f"| {label} | error | | | | | |")
+            add(f"| {label} | error | | | | | | |")
             continue
         rs = m["restore"]
+        note = ""
+        if "breakdown" in rs:
+            b = rs["breakdown"]
+            note = (
+                f"of which verify (read + xxh3 of every file) {_ms(b['verify_cold_s'])} cold, "
+                f"{_ms(b['verify_warm_s'])} warm; one DCP metadata read {_ms(b['read_metadata_s'])}"
+            )
+        elif name == "dcp_save":
+            note = "runs pickle.load on .metadata: a crafted checkpoint runs code"
         add(
             f"| {label} | {_ms(rs['restore_cold_s'])} | {_ms(rs['restore_warm_s'])} | "
             f"{mibs / rs['restore_cold_s']:,.0f} | {_num(r['restore_cold_x_raw_read'].get(name))} | "
-            f"{_num(r['restore_warm_x_raw_read'].get(name))} | {rs['restore_peak_rss_mib']:.0f} MiB |"
+            f"{_num(r['restore_warm_x_raw_read'].get(name))} | {rs['restore_peak_rss_mib']:.0f} MiB | {note} |"
         )
     add("")
 
@@ -338,8 +418,14 @@ def _peer_section(results: dict[str, Any], add: Any) -> None:
         [("async stall ÷ " + NAMES[p], "stalwart_async_stall_over_peer", p) for p in STALL_PEERS]
         + [("sync save ÷ " + NAMES[p], "stalwart_sync_save_over_peer", p) for p in SYNC_PEERS]
         + [("async save ÷ " + NAMES[p], "stalwart_async_save_over_peer", p) for p in ASYNC_PEERS]
-        + [("restore cold ÷ " + RESTORE_NAMES[p], "stalwart_restore_cold_over_peer", p) for p in RESTORE_PEERS]
-        + [("restore warm ÷ " + RESTORE_NAMES[p], "stalwart_restore_warm_over_peer", p) for p in RESTORE_PEERS]
+        + [
+            ("restore cold ÷ " + RESTORE_NAMES[p], "stalwart_restore_cold_over_peer", p)
+            for p in RESTORE_PEERS
+        ]
+        + [
+            ("restore warm ÷ " + RESTORE_NAMES[p], "stalwart_restore_warm_over_peer", p)
+            for p in RESTORE_PEERS
+        ]
     )
     add("| ratio | " + " | ".join(e["label"] for e in results["sizes"]) + " |")
     add("|---|" + "---|" * len(results["sizes"]))
@@ -353,26 +439,33 @@ def _training_section(results: dict[str, Any], add: Any) -> None:
     training = results.get("training")
     if not training:
         return
-    variants = training["variants"]
-    any_ok = next((v for v in variants.values() if _ok(v)), None)
+    runs = training["runs"]
+    any_ok = next((v for v in runs if _ok(v)), None)
     if any_ok is None:
         add("## Training loop: failed\n")
         return
     add(
         f"## Training loop overhead (~{_size_of(any_ok['bytes'])} state, batch {any_ok['batch']}, "
-        f"{any_ok['threads']} torch thread(s), checkpoint every {training['every']} steps; "
-        f"{any_ok['rounds']} pairs of {any_ok['segment_steps']}-step segments without and with "
-        "checkpoints, alternating; medians compared)\n"
+        f"{any_ok['threads']} torch thread(s); {any_ok['rounds']} pairs of segments without and "
+        "with checkpoints, alternating, medians compared)\n"
     )
-    add("| checkpointing | step (no checkpoints) | saves | wall with ÷ without | overhead |")
-    add("|---|---|---|---|---|")
-    for name, v in variants.items():
+    add(
+        "| checkpointing | every | step (no checkpoints) | saves | wall with ÷ without | overhead "
+        "| of which blocked in save() | of which slower steps beside a background save "
+        "| one save() call, median (max) | stall_s in events.jsonl, median |"
+    )
+    add("|---|---|---|---|---|---|---|---|---|---|")
+    for v in runs:
         if not _ok(v):
-            add(f"| {NAMES[name]} | error | | | {v.get('error', '?')} |")
+            add(
+                f"| {TRAIN_NAMES[v['variant']]} | {v['every']} | error | | | {v.get('error', '?')} | | | | |"
+            )
             continue
         add(
-            f"| {NAMES[name]} | {_ms(v['step_s'])} | {v['saves']} | {v['ckpt_s'] / v['base_s']:.3f} | "
-            f"{v['overhead']:+.1%} |"
+            f"| {TRAIN_NAMES[v['variant']]} | {v['every']} | {_ms(v['step_s'])} | {v['saves']} | "
+            f"{v['ckpt_s'] / v['base_s']:.3f} | {v['overhead']:+.1%} | {v['blocked_share']:+.1%} | "
+            f"{v['background_share']:+.1%} | {_ms(v['save_call_s'])} ({_ms(v['save_call_max_s'])}) | "
+            f"{_ms(v['logged_stall_s'])} |"
         )
     add("")
 
@@ -395,9 +488,27 @@ def plot(results: dict[str, Any], path: Path) -> str:
     sizes = [e for e in results["sizes"] if "ratios" in e]
     labels = [e["label"] for e in sizes]
     panels = [
-        ("stall ÷ memcpy (log; lower is better)", "stall_x_memcpy", list(NAMES), True, TARGET_STALL_X_MEMCPY),
-        ("save throughput ÷ raw write+fsync (higher is better)", "persist_x_raw_write", list(NAMES), False, TARGET_PERSIST_X_RAW),
-        ("restore throughput ÷ raw read, cold cache", "restore_cold_x_raw_read", list(RESTORE_NAMES), False, TARGET_RESTORE_X_RAW),
+        (
+            "stall ÷ memcpy (log; lower is better)",
+            "stall_x_memcpy",
+            list(NAMES),
+            True,
+            TARGET_STALL_X_MEMCPY,
+        ),
+        (
+            "save throughput ÷ raw write+fsync (higher is better)",
+            "persist_x_raw_write",
+            list(NAMES),
+            False,
+            TARGET_PERSIST_X_RAW,
+        ),
+        (
+            "restore throughput ÷ raw read, cold cache",
+            "restore_cold_x_raw_read",
+            list(RESTORE_NAMES),
+            False,
+            TARGET_RESTORE_X_RAW,
+        ),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8))
     for ax, (title, key, names, log, goal) in zip(axes, panels, strict=True):
@@ -414,7 +525,10 @@ def plot(results: dict[str, Any], path: Path) -> str:
             ax.set_yscale("log")
         ax.legend(fontsize=7)
     meta = results["meta"]
-    fig.suptitle(f"stalwart benchmark ({meta['mode']}), torch {meta['torch']}, {meta['cpus']} CPUs, {meta['date']}", fontsize=10)
+    fig.suptitle(
+        f"stalwart benchmark ({meta['mode']}), torch {meta['torch']}, {meta['cpus']} CPUs, {meta['date']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import multiprocessing
 import os
@@ -34,8 +35,21 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import measure  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
-import report  # noqa: E402
+import report  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+# The parent never imports torch (the job processes do, once, in the forkserver):
+# method names are listed here and checked against measure.py by the job itself.
+SAVE_METHODS = (
+    "stalwart_sync",
+    "stalwart_async",
+    "torch_save",
+    "dcp_save",
+    "dcp_async_thread",
+    "dcp_async_process",
+)
+TRAIN_VARIANTS = ("stalwart_sync", "stalwart_async", "torch_save")
+# The physical floor of an async save in the loop (memcpy + a raw-write thread); full mode only.
+TRAIN_REFERENCE = "floor_async"
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -64,42 +78,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=lambda s: [parse_size(x) for x in s.split(",")],
         help="comma-separated state sizes (default 64M,256M,1G; quick: 16M,64M)",
     )
-    p.add_argument("--repeats", type=int, help="timed repeats per method and size (default 3; quick: 1)")
-    p.add_argument("--train-size", type=parse_size, default=None, help="state size of the training-loop model (default 64M)")
-    p.add_argument("--every", type=int, default=10, help="checkpoint every N steps in the training loop")
-    p.add_argument("--segment-steps", type=int, help="steps per timed segment (default 4x --every; quick: 2x)")
-    p.add_argument("--rounds", type=int, help="pairs of without/with segments (default 3; quick: 2)")
     p.add_argument(
-        "--train-threads",
+        "--repeats", type=int, help="timed repeats per method and size (default 5; quick: 1)"
+    )
+    p.add_argument(
+        "--train-size",
+        type=parse_size,
+        default=None,
+        help="state size of the training-loop model (default 64M)",
+    )
+    p.add_argument(
+        "--every",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="checkpoint intervals (steps) of the training loop, comma-separated "
+        "(default 5,20; quick: 5)",
+    )
+    p.add_argument(
+        "--segment-saves",
+        type=int,
+        help="checkpoints per timed segment of the training loop (default 4)",
+    )
+    p.add_argument(
+        "--rounds", type=int, help="pairs of without/with segments (default 4; quick: 2)"
+    )
+    p.add_argument(
+        "--threads",
         type=int,
         default=1,
-        help="torch intra-op threads in the training loop (default 1: leaves the other core(s) "
-        "to background saving, as a GPU trainer's host would)",
+        help="torch intra-op threads in every measurement process (default 1: on a shared "
+        "host, torch's multi-threaded copies and matmuls stall whenever a neighbour takes a "
+        "core, and a training step leaves no core to a background save; 0 keeps torch's default)",
     )
     p.add_argument("--no-train", action="store_true", help="skip the training-loop overhead part")
     p.add_argument("--out", type=Path, default=HERE / "results", help="output directory")
     p.add_argument("--name", help="output file stem (default: quick or full)")
     p.add_argument("--workdir", help="where checkpoints are written (default: the system temp dir)")
-    p.add_argument("--timeout", type=float, help="seconds per measurement process (default 600; quick: 60)")
+    p.add_argument(
+        "--timeout", type=float, help="seconds per measurement process (default 600; quick: 60)"
+    )
     args = p.parse_args(argv)
-    args.sizes = args.sizes or [parse_size(s) for s in (("16M", "64M") if args.quick else ("64M", "256M", "1G"))]
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.sizes = args.sizes or [
+        parse_size(s) for s in (("16M", "64M") if args.quick else ("64M", "256M", "1G"))
+    ]
+    args.repeats = args.repeats or (1 if args.quick else 5)
     args.train_size = args.train_size or parse_size("64M")
-    args.segment_steps = args.segment_steps or (2 if args.quick else 4) * args.every
-    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.every = args.every or ([5] if args.quick else [5, 20])
+    args.segment_saves = args.segment_saves or 4
+    args.rounds = args.rounds or (2 if args.quick else 4)
     args.name = args.name or ("quick" if args.quick else "full")
     args.timeout = args.timeout or (60.0 if args.quick else 600.0)
-    if args.repeats < 1 or args.every < 1 or args.rounds < 1:
-        p.error("--repeats, --every and --rounds must be at least 1")
-    if args.segment_steps % args.every:
-        p.error(f"--segment-steps ({args.segment_steps}) must be a multiple of --every ({args.every})")
+    if min(args.repeats, args.rounds, args.segment_saves, *args.every) < 1:
+        p.error("--repeats, --every, --segment-saves and --rounds must be at least 1")
     return args
 
 
 class Runner:
     """Runs measurement jobs one at a time, each in a fresh process from a torch-preloaded forkserver."""
 
-    def __init__(self, workdir: Path, timeout: float) -> None:
+    def __init__(self, workdir: Path, timeout: float, threads: int) -> None:
         self.ctx = multiprocessing.get_context("forkserver")
         # The server imports these once; every job process is a fork of it. "__main__"
         # (this script) comes first: importing it puts benchmarks/ on the server's
@@ -109,6 +145,7 @@ class Runner:
         )
         self.workdir = workdir
         self.timeout = timeout
+        self.threads = threads
         self.count = 0
 
     def run(self, job: str, label: str, **kwargs: Any) -> dict[str, Any]:
@@ -116,11 +153,10 @@ class Runner:
         result_path = self.workdir / f"job{self.count}.json"
         log_path = self.workdir / f"job{self.count}.log"
         kwargs.setdefault("workdir", str(self.workdir))
-        import measure
-
         t0 = time.perf_counter()
         proc = self.ctx.Process(
-            target=measure.run_child, args=(job, kwargs, str(result_path), str(log_path))
+            target=_run_child,
+            args=(job, kwargs, str(result_path), str(log_path), self.threads),
         )
         proc.start()
         proc.join(self.timeout)
@@ -136,10 +172,49 @@ class Runner:
         status = "ok" if outcome["ok"] else f"FAILED: {outcome['error']}"
         print(f"  {label:<40} {elapsed:6.1f}s  {status}", file=sys.stderr, flush=True)
         if not outcome["ok"]:
-            log = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
+            log = (
+                log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
+            )
             print("\n".join("    | " + line for line in log.splitlines()[-15:]), file=sys.stderr)
             return {"error": outcome["error"]}
         return outcome["result"]
+
+
+def merge(timing: dict[str, Any], isolated: dict[str, Any], nbytes: int) -> dict[str, Any]:
+    """One size's entry: times from the interleaved job, peak RSS from the isolated ones."""
+    if "error" in timing:
+        return {
+            "bytes": nbytes,
+            "references": {"error": timing["error"]},
+            "methods": {m: {"error": timing["error"]} for m in SAVE_METHODS},
+        }
+    references = {**timing["references"], "state": timing["state"]}
+    methods: dict[str, Any] = {}
+    for method in SAVE_METHODS:
+        iso = isolated[method]
+        timed = timing["methods"].get(method)
+        if "error" in iso:
+            methods[method] = {"error": iso["error"]}
+            continue
+        if timed is None:  # timed in its own process (dcp_async_process)
+            methods[method] = {k: v for k, v in iso.items() if k != "restore_peak_rss_mib"}
+            continue
+        m = dict(timed)
+        m["peak_rss_mib"] = iso["peak_rss_mib"]
+        m["isolated"] = iso["isolated"]
+        m["notes"] = iso.get("notes", [])
+        if "restore" in m:
+            m["restore"] = {**m["restore"], "restore_peak_rss_mib": iso["restore_peak_rss_mib"]}
+        methods[method] = m
+    return {"bytes": timing["bytes"], "references": references, "methods": methods}
+
+
+def _run_child(
+    job: str, kwargs: dict[str, Any], result_path: str, log_path: str, threads: int
+) -> None:
+    import measure  # in the job process: preloaded by the forkserver
+
+    measure.run_child(job, kwargs, result_path, log_path, threads=threads)
 
 
 def lightning_status() -> str:
@@ -154,8 +229,6 @@ def lightning_status() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    import torch  # only for versions here; the measurements import it in their own processes
-
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="stalwart-bench-", dir=args.workdir))
@@ -163,66 +236,73 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
         "cwd": os.getcwd(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
+        "torch": importlib.metadata.version("torch"),
+        "stalwart": importlib.metadata.version("stalwart"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
         "mode": "quick" if args.quick else "full",
         "repeats": args.repeats,
         "workdir": str(workdir),
         "filesystem": filesystem_of(workdir),
         "lightning": lightning_status(),
+        "loadavg_start": round(os.getloadavg()[0], 2),
     }
-    import stalwart
-
-    meta["stalwart"] = stalwart.__version__
     results: dict[str, Any] = {"meta": meta, "sizes": [], "training": None}
-    runner = Runner(workdir, args.timeout)
+    runner = Runner(workdir, args.timeout, args.threads)
     try:
         for nbytes in args.sizes:
             label = size_label(nbytes)
             print(f"state ~{label}:", file=sys.stderr, flush=True)
             entry: dict[str, Any] = {"label": label, "requested_bytes": nbytes}
-            entry["references"] = runner.run(
-                "references", "physical references", state_bytes=nbytes, repeats=args.repeats
+            timing = runner.run(
+                "timing",
+                "all methods and references, interleaved",
+                state_bytes=nbytes,
+                repeats=args.repeats,
             )
-            entry["methods"] = {
+            isolated = {
                 method: runner.run(
-                    "save", method, method=method, state_bytes=nbytes, repeats=args.repeats
+                    "isolated",
+                    f"{method}, in its own process",
+                    method=method,
+                    state_bytes=nbytes,
+                    repeats=args.repeats,
                 )
-                for method in measure.SAVE_METHODS
+                for method in SAVE_METHODS
             }
-            entry["bytes"] = entry["references"].get("bytes", nbytes)
+            entry.update(merge(timing, isolated, nbytes))
+            entry["references"]["torch_threads"] = timing.get("torch_threads")
+            meta.setdefault("torch_threads", timing.get("torch_threads"))
             results["sizes"].append(entry)
         if not args.no_train:
             print(
-                f"training loop (~{size_label(args.train_size)} state, checkpoint every "
-                f"{args.every} steps):",
+                f"training loop (~{size_label(args.train_size)} state):",
                 file=sys.stderr,
                 flush=True,
             )
-            results["training"] = {
-                "requested_bytes": args.train_size,
-                "every": args.every,
-                "threads": args.train_threads,
-                "variants": {
-                    variant: runner.run(
+            runs = []
+            for every in args.every:
+                for variant in TRAIN_VARIANTS + (() if args.quick else (TRAIN_REFERENCE,)):
+                    run = runner.run(
                         "train",
-                        variant,
+                        f"{variant}, checkpoint every {every} steps",
                         variant=variant,
                         state_bytes=args.train_size,
-                        every=args.every,
-                        segment_steps=args.segment_steps,
+                        every=every,
+                        segment_steps=args.segment_saves * every,
                         rounds=args.rounds,
-                        threads=args.train_threads,
                     )
-                    for variant in measure.TRAIN_VARIANTS
-                },
+                    runs.append({"variant": variant, "every": every, **run})
+            results["training"] = {
+                "requested_bytes": args.train_size,
+                "threads": args.threads,
+                "runs": runs,
             }
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     meta["elapsed_s"] = round(time.perf_counter() - started, 1)
+    meta["loadavg_end"] = round(os.getloadavg()[0], 2)
 
     report.analyze(results)
     md = report.markdown(results)

@@ -161,8 +161,9 @@ def init_distributed(backend: str | None = None, *, timeout: float = 1800.0) -> 
     ``init_process_group("gloo")`` can fail intermittently: gloo's full-mesh
     connect reads the previous attempt's addresses from the store and dials
     them ("Connection refused"). This builds the group on the agent's TCPStore
-    (``MASTER_ADDR``/``MASTER_PORT``) under a prefix keyed by
-    ``TORCHELASTIC_RESTART_COUNT``, so each attempt has a namespace of its own.
+    (``MASTER_ADDR``/``MASTER_PORT``) under a prefix keyed by the store endpoint
+    and, with a single agent, ``TORCHELASTIC_RESTART_COUNT``, so each attempt
+    has a namespace of its own.
 
     Returns ``(rank, world_size)``. Without torchrun's variables it initializes
     nothing and returns ``(0, 1)``. ``backend`` defaults to nccl with CUDA, gloo
@@ -180,8 +181,13 @@ def init_distributed(backend: str | None = None, *, timeout: float = 1800.0) -> 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "29500"))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    # One agent (one node): its restart count numbers the attempts for every worker.
+    # Several agents count restarts each on their own (a replacement node starts at
+    # 0), so there the key is the store endpoint, which torch elastic renews for
+    # every rendezvous round.
+    single_agent = os.environ.get("GROUP_WORLD_SIZE", "1") == "1"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if single_agent else "round"
     store = dist.TCPStore(  # type: ignore[attr-defined]
         host,
         port,
@@ -190,7 +196,7 @@ def init_distributed(backend: str | None = None, *, timeout: float = 1800.0) -> 
         timeout=datetime.timedelta(seconds=timeout),
         wait_for_workers=False,
     )
-    prefixed = dist.PrefixStore(f"stalwart/{run_id}/attempt{attempt}", store)  # type: ignore[attr-defined]
+    prefixed = dist.PrefixStore(f"stalwart/{run_id}/{host}:{port}/attempt-{attempt}", store)  # type: ignore[attr-defined]
     dist.init_process_group(
         backend,
         store=prefixed,

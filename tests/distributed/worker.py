@@ -23,6 +23,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 import stalwart
 
 FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+_LOG = None
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+    if _LOG is not None:
+        _LOG.write(message + "\n")
 
 
 class Augmented(torch.utils.data.Dataset):
@@ -92,9 +99,14 @@ def main() -> int:
     ap.add_argument("--term-after-step", type=int, default=None)
     ap.add_argument("--async-save", action="store_true")
     ap.add_argument("--restore-step", type=int, default=None)
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--log-to", default=None, help="also append this rank's messages to a file")
     args = ap.parse_args()
 
     rank, world = stalwart.init_distributed("gloo")
+    global _LOG
+    if args.log_to:
+        _LOG = open(args.log_to, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(100 + rank)
@@ -120,7 +132,7 @@ def main() -> int:
         async_save=args.async_save,
     ) as ckpt:
         start = ckpt.restore(state, step=args.restore_step) or 0
-        print(f"rank {rank} start {start} resharded {ckpt.resharded}", flush=True)
+        say(f"rank {rank} start {start} resharded {ckpt.resharded}")
         batches = loader.forever()
         step = start
         seen: list[int] = []
@@ -133,6 +145,8 @@ def main() -> int:
             optimizer.step()
             scheduler.step()
             probe.step = step + 1
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
             if FIRST_ATTEMPT and rank == args.kill_rank and args.kill_after_step == step + 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             if FIRST_ATTEMPT and rank == args.kill_rank and args.kill_in_save == step + 1:
@@ -142,11 +156,11 @@ def main() -> int:
             try:
                 ckpt.save(step + 1, state)
             except (stalwart.CheckpointSaveError, OSError) as exc:
-                print(f"rank {rank} save-error step {step + 1}: {exc}", flush=True)
+                say(f"rank {rank} save-error step {step + 1}: {exc}")
                 code = 3
                 break
             if ckpt.preempted:
-                print(f"rank {rank} preempted at step {step + 1}", flush=True)
+                say(f"rank {rank} preempted at step {step + 1}")
                 code = 143
                 break
         with open(f"{args.run_dir}.seen.rank{rank}", "w") as f:

@@ -15,7 +15,17 @@ from collections.abc import Sequence
 import torch
 
 from stalwart import __version__
-from stalwart.cli import cmd_inspect, cmd_ls, cmd_verify
+from stalwart.cli import (
+    cmd_diff,
+    cmd_export,
+    cmd_gc,
+    cmd_inspect,
+    cmd_launch,
+    cmd_ls,
+    cmd_plan,
+    cmd_report,
+    cmd_verify,
+)
 from stalwart.cli.common import EXIT_BAD, EXIT_USAGE, UsageError
 from stalwart.errors import StalwartError
 
@@ -44,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         version=f"stalwart {__version__} (torch {torch.__version__})",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in (cmd_ls, cmd_inspect, cmd_verify):
+    for command in (cmd_ls, cmd_inspect, cmd_verify, cmd_launch):
+        command.add_parser(subparsers)
+    for command in (cmd_plan, cmd_gc, cmd_diff, cmd_export, cmd_report):
         command.add_parser(subparsers)
     return parser
 

@@ -1,0 +1,136 @@
+"""``stalwart report RUN``: a PNG timeline and an HTML page of a run's saves, restores and failures."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import textwrap
+from pathlib import Path
+from typing import Any, TextIO
+
+from stalwart.cli.common import (
+    EXIT_OK,
+    UsageError,
+    classify,
+    existing_dir,
+    format_bytes,
+    format_seconds,
+    format_time,
+    make_console,
+)
+from stalwart.errors import StalwartError
+from stalwart.events import EVENTS_NAME
+from stalwart.report import draw_timeline, read_run, render_html, summarize
+
+__all__ = ["add_parser", "run"]
+
+EPILOG = """\
+Reads RUN/events.jsonl (written by CheckpointManager) and writes, into --out
+(default RUN/report/):
+  timeline.png  seconds per save (total, and the stall that blocked training),
+                write throughput, and one row per event kind: starts and
+                restarts, restores, skipped and quarantined checkpoints,
+                failed saves
+  report.html   the image inlined, a summary table, every restore and every
+                problem with its reason; one self-contained file
+Drawing needs matplotlib (pip install matplotlib); nothing else does.
+
+exit status:
+  0  the report was written
+  1  RUN has no events.jsonl (or no readable events), matplotlib is not
+     installed, or a file could not be written
+  2  usage error: RUN is missing, a file, or not a run directory
+"""
+
+PNG_NAME = "timeline.png"
+HTML_NAME = "report.html"
+
+
+def add_parser(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "report",
+        help="draw a run's save/restore/failure timeline (PNG) and an HTML summary",
+        description=textwrap.fill(
+            "Turn a run's events.jsonl into a timeline image (save stall and total time per "
+            "save, throughput, restores, skips, quarantines, failures) and an HTML page "
+            "embedding it with a summary table.",
+            width=79,
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("run", metavar="RUN", help="run directory")
+    parser.add_argument(
+        "--out", metavar="DIR", help="directory to write into (default RUN/report), created"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.set_defaults(func=run)
+
+
+def _require_matplotlib() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise StalwartError(
+            "`stalwart report` draws with matplotlib, which is not installed; "
+            "install it with `pip install matplotlib`"
+        )
+
+
+def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
+    directory = existing_dir(args.run)
+    if classify(directory) == "checkpoint":
+        raise UsageError(
+            f"{args.run} is a checkpoint directory, and `report` reads a run's "
+            f"{EVENTS_NAME}; try `stalwart report {directory.resolve().parent}`"
+        )
+    events = directory / EVENTS_NAME
+    if not events.is_file():
+        raise StalwartError(
+            f"{args.run} has no {EVENTS_NAME}: nothing to report (CheckpointManager writes "
+            "it in the run directory)"
+        )
+    _require_matplotlib()
+    timeline = read_run(directory)
+    if not timeline.all:
+        raise StalwartError(f"{events} holds no readable events: nothing to report")
+    summary = summarize(timeline)
+    target = Path(args.out) if args.out is not None else directory / "report"
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"--out {target} is a file; name a directory")
+    target.mkdir(parents=True, exist_ok=True)
+    png, page = target / PNG_NAME, target / HTML_NAME
+    try:
+        draw_timeline(timeline, png, title=f"checkpoint timeline of {directory.resolve().name}")
+    except ImportError as exc:
+        raise StalwartError(
+            f"`stalwart report` needs a working matplotlib ({exc}); "
+            "install it with `pip install matplotlib`"
+        ) from None
+    page.write_text(render_html(str(directory), summary, png.read_bytes()), encoding="utf-8")
+    report = {"run": str(directory), "png": str(png), "html": str(page), "summary": summary}
+    if args.json:
+        out.write(json.dumps(report, indent=2, allow_nan=True) + "\n")
+    else:
+        _render(report, out)
+    return EXIT_OK
+
+
+def _render(report: dict[str, Any], out: TextIO) -> None:
+    console = make_console(out)
+    s = report["summary"]
+    lines = [
+        f"run {report['run']}: {s['events']} events, {format_time(s['first_time'])} to "
+        f"{format_time(s['last_time'])}, {s['starts']} start(s)",
+        f"saves: {s['saves']} ({s['async_saves']} async, {s['emergency_saves']} emergency); "
+        f"stall median {format_seconds(s['stall_s']['median'])}, max "
+        f"{format_seconds(s['stall_s']['max'])}; total median "
+        f"{format_seconds(s['total_s']['median'])}; newest "
+        f"{format_bytes(s['last_checkpoint_bytes'])}",
+        f"restores: {len(s['restores'])}; problems: {len(s['problems'])}",
+    ]
+    for p in s["problems"]:
+        lines.append(f"  {format_time(p['time'])} {p['event']} step {p['step']}: {p['detail']}")
+    lines.append(f"wrote {report['png']}")
+    lines.append(f"wrote {report['html']}")
+    for line in lines:
+        console.print(line, markup=False, soft_wrap=True)

@@ -1,0 +1,114 @@
+"""`make bench --quick` runs end to end and reports every method and every reference.
+
+Speed targets are benchmark results, not unit tests: nothing here asserts them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SAVE_METHODS = (
+    "stalwart_sync",
+    "stalwart_async",
+    "torch_save",
+    "dcp_save",
+    "dcp_async_thread",
+    "dcp_async_process",
+)
+RESTORING_METHODS = ("stalwart_sync", "torch_save", "dcp_save")
+REFERENCES = (
+    "memcpy_s",
+    "clone_s",
+    "xxh3_s",
+    "raw_write_s",
+    "raw_read_cold_s",
+    "raw_read_warm_s",
+)
+TRAIN_VARIANTS = ("stalwart_sync", "stalwart_async", "torch_save")
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("bench")
+    work = tmp_path_factory.mktemp("bench-work")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "run.py"),
+            "--quick",
+            "--out",
+            str(out),
+            "--workdir",
+            str(work),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,  # about 35 s on 2 busy cores; the margin is for a loaded CI host
+        check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert "| target |" in proc.stdout, "the markdown table is printed"
+    return out, json.loads((out / "quick.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.slow
+def test_quick_mode_measures_every_method_at_every_size(quick_run: tuple[Path, dict]) -> None:
+    _out, results = quick_run
+    assert len(results["sizes"]) == 2
+    for entry in results["sizes"]:
+        for method in SAVE_METHODS:
+            m = entry["methods"][method]
+            assert "error" not in m, f"{entry['label']} {method}: {m.get('error')}"
+            assert positive(m["stall_s"]) and positive(m["e2e_s"]), (entry["label"], method, m)
+            assert m["stall_s"] <= m["e2e_s"] * 1.001, (entry["label"], method, m)
+            assert m["peak_rss_mib"] >= 0
+        for method in RESTORING_METHODS:
+            rs = entry["methods"][method]["restore"]
+            assert positive(rs["restore_cold_s"]) and positive(rs["restore_warm_s"]), (method, rs)
+
+
+@pytest.mark.slow
+def test_quick_mode_measures_every_physical_reference(quick_run: tuple[Path, dict]) -> None:
+    _out, results = quick_run
+    for entry in results["sizes"]:
+        refs = entry["references"]
+        assert "error" not in refs, refs.get("error")
+        for key in REFERENCES:
+            assert positive(refs[key]), (entry["label"], key, refs.get(key))
+        assert positive(entry["bytes"])
+
+
+@pytest.mark.slow
+def test_quick_mode_measures_the_training_loop(quick_run: tuple[Path, dict]) -> None:
+    _out, results = quick_run
+    runs = results["training"]["runs"]
+    assert {r["variant"] for r in runs} == set(TRAIN_VARIANTS)
+    for run in runs:
+        assert "error" not in run, f"{run['variant']}: {run.get('error')}"
+        assert positive(run["base_s"]) and positive(run["ckpt_s"]) and run["saves"] > 0, run
+
+
+@pytest.mark.slow
+def test_quick_mode_writes_markdown_json_and_plot(quick_run: tuple[Path, dict]) -> None:
+    out, results = quick_run
+    md = (out / "quick.md").read_text(encoding="utf-8")
+    assert results["meta"]["command"] in md
+    assert results["meta"]["torch"] in md
+    assert "Lightning" in md and "not installed" in md
+    statuses = {t["status"] for t in results["targets"]}
+    assert statuses <= {"PASS", "MISS", "N/A"} and len(results["targets"]) >= 9
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "quick.png").stat().st_size > 0
