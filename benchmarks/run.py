@@ -78,9 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=lambda s: [parse_size(x) for x in s.split(",")],
         help="comma-separated state sizes (default 64M,256M,1G; quick: 16M,64M)",
     )
-    p.add_argument(
-        "--repeats", type=int, help="timed repeats per method and size (default 5; quick: 1)"
-    )
+    p.add_argument("--repeats", type=int, help="timed rounds per size (default 5; quick: 2)")
     p.add_argument(
         "--train-size",
         type=parse_size,
@@ -96,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--segment-saves",
         type=int,
-        help="checkpoints per timed segment of the training loop (default 4)",
+        help="checkpoints per timed segment of the training loop (default 4; quick: 3)",
     )
     p.add_argument(
         "--rounds", type=int, help="pairs of without/with segments (default 4; quick: 2)"
@@ -120,10 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sizes = args.sizes or [
         parse_size(s) for s in (("16M", "64M") if args.quick else ("64M", "256M", "1G"))
     ]
-    args.repeats = args.repeats or (1 if args.quick else 5)
+    args.repeats = args.repeats or (2 if args.quick else 5)
     args.train_size = args.train_size or parse_size("64M")
     args.every = args.every or ([5] if args.quick else [5, 20])
-    args.segment_saves = args.segment_saves or 4
+    args.segment_saves = args.segment_saves or (3 if args.quick else 4)
     args.rounds = args.rounds or (2 if args.quick else 4)
     args.name = args.name or ("quick" if args.quick else "full")
     args.timeout = args.timeout or (60.0 if args.quick else 600.0)

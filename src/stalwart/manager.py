@@ -542,6 +542,7 @@ class CheckpointManager:
                 exact=not self.resharded,
                 newer_steps=newer,
             )
+            self._warn_if_ddp_resume_inexact(state)
             self._last_save_time = time.monotonic()
             self._last_saved_step = candidate
             return candidate
@@ -552,6 +553,28 @@ class CheckpointManager:
             incomplete=incomplete,
         )
         return None
+
+    def _warn_if_ddp_resume_inexact(self, state: TrainState) -> None:
+        model = state.model
+        if not (
+            isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            and self.world_size >= 3
+            and not model.find_unused_parameters
+        ):
+            return
+        # DDP regroups gradient buckets after its first iteration; a resumed process
+        # all-reduces its first step with the initial grouping, and with 3+ ranks the
+        # summation order (so the last bits) differs from the uninterrupted run.
+        self.events.emit(
+            "warning",
+            logging.WARNING,
+            reason=(
+                "DDP with 3 or more ranks resumes bit-exactly only with "
+                "DistributedDataParallel(..., find_unused_parameters=True), which keeps "
+                "the initial gradient buckets; without it the first steps after a resume "
+                "differ in the last bits (see docs/distributed.md)"
+            ),
+        )
 
     # -------------------------------------------------------------- lifecycle
 
