@@ -31,8 +31,8 @@ from stalwart.manifest import Manifest, git_info, stable_hash, to_json_data
 from stalwart.pipeline import (
     AsyncSaver,
     SaveResult,
+    StagingArea,
     load_checkpoint,
-    stage_state_dict,
     write_and_commit,
 )
 from stalwart.policy import RetentionPolicy, SavePolicy
@@ -179,6 +179,7 @@ class CheckpointManager:
             self.directory / EVENTS_NAME if self.is_leader else None, rank=self.rank
         )
         self._saver = AsyncSaver() if async_save else None
+        self._staging = StagingArea()
         self.async_save = async_save
         self._closed = False
         self._last_save_time = time.monotonic()
@@ -334,7 +335,7 @@ class CheckpointManager:
         try:
             staged = state.state_dict()
             if self._saver is not None:
-                staged = stage_state_dict(staged)
+                staged = self._staging.stage(staged)
         except Exception as exc:
             local_error = exc
         try:

@@ -42,6 +42,7 @@ from stalwart.storage.base import CheckpointStorage
 __all__ = [
     "AsyncSaver",
     "SaveResult",
+    "StagingArea",
     "commit_checkpoint",
     "load_checkpoint",
     "read_manifest",
@@ -78,37 +79,79 @@ class SaveResult:
 # --------------------------------------------------------------------------- save
 
 
-def stage_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A private CPU copy of ``state_dict`` that training may not touch while it is written.
+class StagingArea:
+    """Reusable CPU buffers that hold one staged copy of the state for an async save.
 
-    Tensors are copied to CPU (through pinned memory and a non-blocking copy on
-    CUDA, then one synchronize); plain values are deep-copied.
+    The buffers are allocated at the first save (pinned when the source is on a
+    GPU, so the device-to-host copy runs at full speed without a bounce buffer)
+    and overwritten by every later save of a state with the same layout; a
+    buffer the state no longer needs is dropped. Peak extra host memory is so
+    one copy of the state, whatever the number of saves. Not thread-safe: the
+    caller makes sure the previous save finished reading the buffers before
+    staging the next one (``AsyncSaver`` keeps at most one save in flight).
     """
-    cuda_copies = False
 
-    def copy_value(value: Any) -> Any:
-        nonlocal cuda_copies
-        if isinstance(value, torch.Tensor):
-            t = value.detach()
-            if t.device.type == "cuda":
-                out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                out.copy_(t, non_blocking=True)
-                cuda_copies = True
-                return out
-            return t.to("cpu", copy=True)
-        if isinstance(value, Mapping):
-            return {k: copy_value(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [copy_value(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(copy_value(v) for v in value)
-        return copy.deepcopy(value)
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
 
-    staged = copy_value(state_dict)
-    if cuda_copies:
-        torch.cuda.synchronize()
-    assert isinstance(staged, dict)
-    return staged
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def stage(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict`` into the buffers; returns the staged state dict."""
+        used: set[tuple[Any, ...]] = set()
+        cuda_copies = False
+
+        def buffer_for(path: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
+            nonlocal cuda_copies
+            on_gpu = t.device.type == "cuda"
+            key = (path, tuple(t.shape), t.dtype)
+            buf = self._buffers.get(key)
+            if buf is None:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)
+                self._buffers[key] = buf
+            used.add(key)
+            buf.copy_(t, non_blocking=on_gpu)
+            cuda_copies |= on_gpu
+            return buf
+
+        def copy_value(path: tuple[Any, ...], value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if _is_dtensor(value):
+                    # A sharded tensor keeps its layout: DCP needs it to write this
+                    # rank's shard. Copy it whole (no buffer reuse for these).
+                    return value.detach().to("cpu", copy=True)
+                return buffer_for(path, value.detach())
+            if isinstance(value, Mapping):
+                return {k: copy_value((*path, k), v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [copy_value((*path, i), v) for i, v in enumerate(value)]
+            if isinstance(value, tuple):
+                return tuple(copy_value((*path, i), v) for i, v in enumerate(value))
+            return copy.deepcopy(value)
+
+        staged = copy_value((), state_dict)
+        for key in list(self._buffers):
+            if key not in used:
+                del self._buffers[key]
+        if cuda_copies:
+            torch.cuda.synchronize()
+        assert isinstance(staged, dict)
+        return staged
+
+
+def stage_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A private CPU copy of ``state_dict`` in fresh memory (see ``StagingArea`` to reuse it)."""
+    return StagingArea().stage(state_dict)
+
+
+def _is_dtensor(value: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(value, DTensor)
 
 
 def _owned(name: str, rank: int | None, leader: bool) -> bool:

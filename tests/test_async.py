@@ -1,0 +1,71 @@
+"""Async saves: bounded memory over many saves, one save in flight, exit waits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+import stalwart
+from stalwart.pipeline import StagingArea
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_staging_reuses_its_buffers_between_saves() -> None:
+    area = StagingArea()
+    sd = {"w": torch.randn(64, 64), "nested": {"b": torch.zeros(3)}, "n": 4}
+    first = area.stage(sd)
+    sd["w"].add_(1.0)
+    second = area.stage(sd)
+    assert second["w"].data_ptr() == first["w"].data_ptr()  # the same memory, overwritten
+    assert torch.equal(second["w"], sd["w"]) and second["n"] == 4
+    assert area.nbytes == (64 * 64 + 3) * 4
+    area.stage({"w": torch.randn(8)})  # a new layout drops the buffers it no longer needs
+    assert area.nbytes == 8 * 4
+
+
+def test_peak_memory_does_not_grow_over_100_async_saves(tmp_path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 512)).sum().backward()
+    opt.step()
+    state = stalwart.TrainState(model=model, optimizer=opt, rng=False)
+    state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())  # params + exp_avg + exp_avg_sq
+    with stalwart.CheckpointManager(tmp_path, async_save=True, keep_last=2) as ckpt:
+        for step in range(1, 11):
+            ckpt.save(step, state)
+        ckpt.wait()
+        after_warmup = _rss_bytes()
+        for step in range(11, 111):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-3)
+            ckpt.save(step, state)
+        ckpt.wait()
+        after_100 = _rss_bytes()
+        assert ckpt.all_steps() == [109, 110]
+    growth = after_100 - after_warmup
+    assert growth < state_bytes, f"RSS grew by {growth} bytes over 100 saves (state is {state_bytes})"
+
+
+def test_interpreter_exit_waits_for_the_in_flight_save(tmp_path) -> None:
+    """A script that forgets close(): the background save still commits before exit."""
+    code = (
+        "import torch, stalwart\n"
+        "m = torch.nn.Linear(256, 256)\n"
+        f"ckpt = stalwart.CheckpointManager({str(tmp_path)!r}, async_save=True)\n"
+        "ckpt.save(1, stalwart.TrainState(model=m, rng=False))\n"
+        "print('returned', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "returned" in proc.stdout
+    assert (tmp_path / "step_000000001" / "MANIFEST.json").exists()
