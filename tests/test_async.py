@@ -38,7 +38,9 @@ def test_peak_memory_does_not_grow_over_100_async_saves(tmp_path) -> None:
     model(torch.randn(2, 512)).sum().backward()
     opt.step()
     state = stalwart.TrainState(model=model, optimizer=opt, rng=False)
-    state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())  # params + exp_avg + exp_avg_sq
+    state_bytes = sum(
+        p.numel() * 4 * 3 for p in model.parameters()
+    )  # params + exp_avg + exp_avg_sq
     with stalwart.CheckpointManager(tmp_path, async_save=True, keep_last=2) as ckpt:
         for step in range(1, 11):
             ckpt.save(step, state)
@@ -53,7 +55,9 @@ def test_peak_memory_does_not_grow_over_100_async_saves(tmp_path) -> None:
         after_100 = _rss_bytes()
         assert ckpt.all_steps() == [109, 110]
     growth = after_100 - after_warmup
-    assert growth < state_bytes, f"RSS grew by {growth} bytes over 100 saves (state is {state_bytes})"
+    assert growth < state_bytes, (
+        f"RSS grew by {growth} bytes over 100 saves (state is {state_bytes})"
+    )
 
 
 def test_interpreter_exit_waits_for_the_in_flight_save(tmp_path) -> None:
