@@ -347,7 +347,12 @@ class CheckpointManager:
             raise CheckpointSaveError(f"saving step {step} failed: {exc}") from exc
         if local_error is not None:
             self.events.emit("save_failed", logging.ERROR, step=step, error=str(local_error))
-            raise local_error
+            if isinstance(local_error, (TypeError, ValueError)):
+                raise local_error  # a mistake in what the user put in the state: show it as is
+            raise CheckpointSaveError(
+                f"saving step {step} failed: collecting the state raised "
+                f"{type(local_error).__name__}: {local_error}"
+            ) from local_error
         for rank, report in enumerate(reports):
             if report is not None:
                 self.events.emit(

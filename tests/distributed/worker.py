@@ -155,8 +155,8 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGTERM)
             try:
                 ckpt.save(step + 1, state)
-            except (stalwart.CheckpointSaveError, OSError) as exc:
-                say(f"rank {rank} save-error step {step + 1}: {exc}")
+            except stalwart.CheckpointSaveError as exc:
+                say(f"rank {rank} save-error step {step + 1}: {type(exc).__name__}: {exc}")
                 code = 3
                 break
             if ckpt.preempted:
