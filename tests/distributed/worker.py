@@ -130,6 +130,9 @@ def main() -> int:
         keep_last=3,
         save_timeout=args.save_timeout,
         async_save=args.async_save,
+        # A rank that hangs on purpose should die at torchrun's first SIGTERM
+        # rather than wait out torchrun's grace period with the flag set.
+        handle_signals=not args.hang,
     ) as ckpt:
         start = ckpt.restore(state, step=args.restore_step) or 0
         say(f"rank {rank} start {start} resharded {ckpt.resharded}")
