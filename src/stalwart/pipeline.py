@@ -533,10 +533,10 @@ def load_checkpoint(
     group = coord.group if coord.distributed else None
     blobs = state.blob_target(metadata)
     if blobs:
-        _agree(coord, lambda: safe_load(blobs, path, process_group=group))
+        _agree(coord, lambda: safe_load(blobs, path, process_group=group, metadata=metadata))
     _agree(coord, lambda: state.check(metadata, blobs, strict=strict))
     native = state.native_target(metadata, strict=strict)
     if native:
-        safe_load(native, path, process_group=group)
+        safe_load(native, path, process_group=group, metadata=metadata)
     state.load_state_dict({**blobs, **native}, strict=strict)
     return manifest

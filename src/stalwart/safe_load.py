@@ -338,15 +338,26 @@ class SafeFileSystemReader(FileSystemReader):
     ``load_id`` and rank-local metadata files (``rank=``), is unchanged.
     """
 
-    def __init__(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, metadata: Metadata | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(path, **kwargs)
         # dcp.load swallows read_metadata's exception (it logs it and retries a
         # rank-local file), so safe_load reads the real cause from here.
         self.metadata_errors: list[StalwartError] = []
+        # Metadata already read (safely) by the caller: unpickling it again with
+        # the pure-Python unpickler is the slowest part of a small restore.
+        self._known_metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # **kwargs must stay in the signature: dcp.load looks for it to decide
         # whether to retry with rank=.
+        if self._known_metadata is not None and kwargs.get("rank") is None:
+            metadata = self._known_metadata
+            if metadata.storage_meta is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
         path = self._get_metadata_path(kwargs.get("rank"))
         where = os.fspath(path)
         try:
@@ -440,6 +451,7 @@ def safe_load(
     checkpoint_dir: str | os.PathLike[str],
     *,
     process_group: torch.distributed.ProcessGroup | None = None,
+    metadata: Metadata | None = None,
 ) -> None:
     """``dcp.load`` into ``state_dict`` in place, without running code from the checkpoint.
 
@@ -456,7 +468,7 @@ def safe_load(
     directory = os.fspath(checkpoint_dir)
     if not os.path.isdir(directory):
         raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
-    reader = SafeFileSystemReader(directory)
+    reader = SafeFileSystemReader(directory, metadata=metadata)
     single = process_group is None and not (dist.is_available() and dist.is_initialized())
     try:
         with warnings.catch_warnings():
