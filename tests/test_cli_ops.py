@@ -603,8 +603,9 @@ def eventful_run(run: Path) -> Path:
         assert ckpt.restore(state) == 20
         ckpt.save(21, state)
         bad = stalwart.TrainState(model=model, extra={"epoch": 0}, failing=Failing())
-        with pytest.raises(OSError, match="injected"):
+        with pytest.raises(stalwart.CheckpointSaveError, match="injected") as info:
             ckpt.save(22, bad)
+        assert isinstance(info.value.__cause__, OSError)
     return run
 
 
