@@ -49,3 +49,10 @@ def test_every_error_derives_from_stalwart_error_and_a_builtin():
         assert issubclass(cls, stalwart.StalwartError), name
         assert issubclass(cls, builtin), name
     assert issubclass(stalwart.UnsafeCheckpointError, stalwart.CheckpointCorruptError)
+
+
+def test_local_storage_satisfies_the_storage_protocol(tmp_path):
+    from stalwart.storage import CheckpointStorage, LocalStorage
+
+    assert isinstance(LocalStorage(tmp_path), CheckpointStorage)
+    assert not isinstance(object(), CheckpointStorage)

@@ -376,8 +376,7 @@ def test_python_dash_m_stalwart_verify_runs_as_a_real_process(run):
 
 def test_the_installed_stalwart_script_lists_a_run(run):
     script = Path(sys.executable).with_name("stalwart")
-    if not script.exists():
-        pytest.skip(f"no console script at {script} (package not installed with pip)")
+    assert script.exists(), f"no console script at {script}: make installs the package with pip"
     proc = subprocess.run(
         [str(script), "ls", str(run), "--json"],
         capture_output=True,

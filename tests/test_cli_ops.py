@@ -444,7 +444,8 @@ def test_export_safetensors_holds_the_model_of_that_step_under_state_dict_names(
 
 
 def test_export_is_readable_by_the_safetensors_library(capsys, run, tmp_path):
-    safetensors_torch = pytest.importorskip("safetensors.torch")
+    import safetensors.torch as safetensors_torch
+
     dest = tmp_path / "all.safetensors"
     assert cli(capsys, "export", run, "--to", dest, "--only", "all")[0] == 0
     loaded = safetensors_torch.load_file(str(dest))
@@ -610,7 +611,6 @@ def eventful_run(run: Path) -> Path:
 
 
 def test_report_draws_a_png_and_an_html_page_with_the_summary(capsys, eventful_run, tmp_path):
-    pytest.importorskip("matplotlib")
     out_dir = tmp_path / "report"
     code, out, err = cli(capsys, "report", eventful_run, "--out", out_dir, "--json")
     assert code == 0, err
@@ -632,7 +632,6 @@ def test_report_draws_a_png_and_an_html_page_with_the_summary(capsys, eventful_r
 
 
 def test_report_defaults_to_a_folder_in_the_run_and_prints_what_it_wrote(capsys, eventful_run):
-    pytest.importorskip("matplotlib")
     code, out, _err = cli(capsys, "report", eventful_run)
     assert code == 0
     assert (eventful_run / "report" / "timeline.png").is_file()

@@ -289,8 +289,7 @@ def test_unknown_step_is_a_usage_error(capsys, pristine_run, tmp_path):
 
 def test_runs_as_a_real_process_while_training_holds_the_run_lock(run, tmp_path):
     script = Path(sys.executable).with_name("stalwart")
-    if not script.exists():
-        pytest.skip(f"no console script at {script} (package not installed with pip)")
+    assert script.exists(), f"no console script at {script}: make installs the package with pip"
     write_factory(tmp_path)
     with stalwart.CheckpointManager(run, handle_signals=False):
         with pytest.raises(stalwart.RunLockedError):

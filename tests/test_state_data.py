@@ -13,7 +13,7 @@ import stalwart
 from stalwart.sampler import ResumableSampler, SeededDataset, SeededSampler
 
 warnings.filterwarnings("ignore", "'set_vital' is deprecated", UserWarning)
-stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+from torchdata import stateful_dataloader  # noqa: E402 - after the warning filter above
 
 
 class Noisy(Dataset):

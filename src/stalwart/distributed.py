@@ -142,9 +142,6 @@ class Coordinator:
         self._run("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
         return [bool(v) for v in t.tolist()]
 
-    def barrier(self) -> None:
-        self.flags_max(True)
-
     def destroy(self) -> None:
         if self.group is not None and dist.is_initialized():
             try:

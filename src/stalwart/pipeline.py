@@ -43,7 +43,9 @@ __all__ = [
     "AsyncSaver",
     "SaveResult",
     "StagingArea",
+    "FileProblem",
     "commit_checkpoint",
+    "file_problems",
     "load_checkpoint",
     "read_manifest",
     "stage_state_dict",
@@ -210,7 +212,6 @@ def write_and_commit(
     manifest: Manifest,
     *,
     coordinator: Coordinator | None = None,
-    before_commit: Callable[[Path], None] | None = None,
 ) -> SaveResult:
     """Write ``state_dict`` with DCP into a fresh staging directory and commit it.
 
@@ -221,11 +222,10 @@ def write_and_commit(
     (cause chained), the staging directory is removed and nothing is committed;
     earlier checkpoints are never touched. A dead or hung rank makes the others
     fail after the coordinator's timeout instead of waiting forever.
-    ``before_commit`` runs on the leader between checksumming and commit.
     """
     coord = coordinator if coordinator is not None else Coordinator(None, timeout=0.0, name="local")
     try:
-        return _write_and_commit(storage, state_dict, manifest, coord, before_commit)
+        return _write_and_commit(storage, state_dict, manifest, coord)
     except CoordinationError as exc:
         raise CheckpointSaveError(f"saving step {manifest.step} failed: {exc}") from exc
 
@@ -235,7 +235,6 @@ def _write_and_commit(
     state_dict: dict[str, Any],
     manifest: Manifest,
     coord: Coordinator,
-    before_commit: Callable[[Path], None] | None,
 ) -> SaveResult:
     step = manifest.step
     cause: BaseException | None = None
@@ -253,7 +252,7 @@ def _write_and_commit(
         raise CheckpointSaveError(f"saving step {step} failed: {error}") from cause
     staging = storage.path_of(name)
     try:
-        return _write_staged(storage, state_dict, manifest, coord, before_commit, staging)
+        return _write_staged(storage, state_dict, manifest, coord, staging)
     except CoordinationError:
         if coord.is_leader:
             # The others may still be writing; a leftover file in a hidden staging
@@ -267,7 +266,6 @@ def _write_staged(
     state_dict: dict[str, Any],
     manifest: Manifest,
     coord: Coordinator,
-    before_commit: Callable[[Path], None] | None,
     staging: Path,
 ) -> SaveResult:
     step = manifest.step
@@ -315,8 +313,6 @@ def _write_staged(
             (e for rank_entries, _ in reports for e in rank_entries), key=lambda e: e.path
         )
         try:
-            if before_commit is not None:
-                before_commit(staging)
             final_name = commit_checkpoint(storage, staging, manifest).name
         except (OSError, StalwartError, ValueError) as exc:
             storage.abort(staging)
@@ -439,49 +435,99 @@ def read_manifest(path: Path) -> Manifest:
     return Manifest.from_json(text, source=str(manifest_path))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FileProblem:
+    """One file of a checkpoint that does not match its manifest."""
+
+    file: str
+    """Path relative to the checkpoint directory."""
+    reason: str
+    transient: bool = False
+    """True when the file could not be read (an I/O error that may pass)."""
+
+    def error(self, checkpoint: Path) -> CheckpointCorruptError:
+        where = checkpoint / self.file
+        return CheckpointCorruptError(
+            f"{where}: {self.reason}", path=str(where), transient=self.transient
+        )
+
+
+def file_problems(
+    path: Path,
+    manifest: Manifest,
+    *,
+    checksums: bool = True,
+    part: tuple[int, int] = (0, 1),
+    first_only: bool = False,
+    advance: Callable[[int], None] | None = None,
+) -> list[FileProblem]:
+    """Every file of ``manifest`` against the disk: sizes of all, then xxh3-128 checksums.
+
+    The one place the file checks live: restore stops at the first problem
+    (``first_only``), ``stalwart verify`` and ``ls --verify`` report them all.
+    ``part=(rank, world_size)`` checksums only every world_size-th file, so that
+    ranks share the reading. ``advance(n)`` is told the bytes of each file hashed.
+    """
+    problems: list[FileProblem] = []
+    sized = []
+    for entry in manifest.files:
+        try:
+            size = (path / entry.path).stat().st_size
+        except FileNotFoundError:
+            problems.append(FileProblem(entry.path, "missing (listed in the manifest)"))
+        except OSError as exc:
+            problems.append(FileProblem(entry.path, f"cannot read ({exc.strerror or exc})", True))
+        else:
+            if size == entry.size:
+                sized.append(entry)
+                continue
+            problems.append(
+                FileProblem(
+                    entry.path,
+                    f"size {size} bytes, manifest says {entry.size} (truncated or overwritten)",
+                )
+            )
+        if first_only:
+            return problems
+    if not checksums:
+        return problems
+    rank, world = part
+    for entry in manifest.files[rank::world]:
+        if entry not in sized:
+            continue
+        try:
+            _size, digest = hash_file(path / entry.path)
+        except OSError as exc:
+            problems.append(FileProblem(entry.path, f"cannot read ({exc.strerror or exc})", True))
+        else:
+            if digest == entry.xxh3_128:
+                continue
+            problems.append(
+                FileProblem(
+                    entry.path,
+                    f"checksum mismatch (xxh3-128 {digest}, manifest says {entry.xxh3_128}); "
+                    "the file is damaged",
+                )
+            )
+        finally:
+            if advance is not None:
+                advance(entry.size)
+        if first_only:
+            return problems
+    return problems
+
+
 def verify_checkpoint(
     path: Path, *, checksums: bool = True, part: tuple[int, int] = (0, 1)
 ) -> Manifest:
     """Check every file against the manifest (size, then xxh3-128) before anything is deserialized.
 
-    ``part=(rank, world_size)`` checksums only every world_size-th file, so that
-    ranks share the reading; sizes are always checked for all files. Raises
-    ``CheckpointCorruptError`` naming the first bad file.
+    Raises ``CheckpointCorruptError`` naming the first bad file.
     """
     manifest = read_manifest(path)
-    for entry in manifest.files:
-        file = path / entry.path
-        try:
-            size = file.stat().st_size
-        except FileNotFoundError as exc:
-            raise CheckpointCorruptError(
-                f"{file}: missing (listed in the manifest)", path=str(file)
-            ) from exc
-        except OSError as exc:
-            raise CheckpointCorruptError(
-                f"{file}: cannot read ({exc})", path=str(file), transient=True
-            ) from exc
-        if size != entry.size:
-            raise CheckpointCorruptError(
-                f"{file}: size {size} bytes, manifest says {entry.size} (truncated or overwritten)",
-                path=str(file),
-            )
-    if checksums:
-        rank, world = part
-        for entry in manifest.files[rank::world]:
-            file = path / entry.path
-            try:
-                _size, digest = hash_file(file)
-            except OSError as exc:
-                raise CheckpointCorruptError(
-                    f"{file}: cannot read ({exc})", path=str(file), transient=True
-                ) from exc
-            if digest != entry.xxh3_128:
-                raise CheckpointCorruptError(
-                    f"{file}: checksum mismatch (xxh3-128 {digest}, manifest says {entry.xxh3_128}); "
-                    "the file is damaged",
-                    path=str(file),
-                )
+    problems = file_problems(path, manifest, checksums=checksums, part=part, first_only=True)
+    if problems:
+        raise problems[0].error(path)
     return manifest
 
 

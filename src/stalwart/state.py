@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, MutableMapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element, traverse_state_dict
@@ -51,7 +51,7 @@ from stalwart import distributed
 from stalwart.errors import StateMismatchError
 from stalwart.rng import capture_rng_state, restore_rng_state
 
-__all__ = ["Stateful", "TrainState", "flat_keys"]
+__all__ = ["TrainState", "flat_keys"]
 
 logger = logging.getLogger("stalwart")
 
@@ -60,13 +60,6 @@ _META = "_stalwart"
 # Written as DCP tensors (sharded, resharded on load); every other section is a blob.
 _NATIVE = ("model", "optimizer")
 _PLAIN_LEAVES = (type(None), bool, int, float, str, bytes, torch.dtype, torch.Size)
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
 def flat_keys(tree: Mapping[str, Any], prefix: str = "") -> set[str]:

@@ -37,8 +37,8 @@ from stalwart.errors import (
 )
 from stalwart.events import EVENTS_NAME, read_events
 from stalwart.lock import LOCK_NAME
-from stalwart.manifest import MANIFEST_NAME, Manifest, hash_file
-from stalwart.pipeline import read_manifest
+from stalwart.manifest import MANIFEST_NAME, Manifest
+from stalwart.pipeline import file_problems, read_manifest
 from stalwart.safe_load import read_dcp_metadata
 from stalwart.storage.base import StepEntry
 from stalwart.storage.local import LocalStorage
@@ -204,53 +204,11 @@ def check_files(
     checksums: bool,
     advance: Callable[[int], None] | None = None,
 ) -> list[Problem]:
-    """Every file of ``manifest`` against the disk: size always, xxh3-128 when ``checksums``.
-
-    The same checks, in the same order, as ``stalwart.pipeline.verify_checkpoint``
-    (which restore runs), but every bad file is reported rather than the first
-    one. ``advance(n)`` is called with the bytes of each file once it is done.
-    """
-    problems: list[Problem] = []
-    sized: list[tuple[Path, str, int, str]] = []
-    for entry in manifest.files:
-        file = checkpoint / entry.path
-        try:
-            size = file.stat().st_size
-        except FileNotFoundError:
-            problems.append(Problem(file=entry.path, reason="missing (listed in the manifest)"))
-            continue
-        except OSError as exc:
-            problems.append(Problem(file=entry.path, reason=f"cannot read ({exc.strerror or exc})"))
-            continue
-        if size != entry.size:
-            problems.append(
-                Problem(
-                    file=entry.path,
-                    reason=f"size {size} bytes, manifest says {entry.size} (truncated or overwritten)",
-                )
-            )
-            continue
-        sized.append((file, entry.path, entry.size, entry.xxh3_128))
-    if not checksums:
-        return problems
-    for file, relative, size, expected in sized:
-        try:
-            _size, digest = hash_file(file)
-        except OSError as exc:
-            problems.append(Problem(file=relative, reason=f"cannot read ({exc.strerror or exc})"))
-            continue
-        finally:
-            if advance is not None:
-                advance(size)
-        if digest != expected:
-            problems.append(
-                Problem(
-                    file=relative,
-                    reason=f"checksum mismatch (xxh3-128 {digest}, manifest says {expected}); "
-                    "the file is damaged",
-                )
-            )
-    return problems
+    """Every bad file of ``manifest``: the checks restore runs (``pipeline.file_problems``), all reported."""
+    return [
+        Problem(file=p.file, reason=p.reason)
+        for p in file_problems(checkpoint, manifest, checksums=checksums, advance=advance)
+    ]
 
 
 def check_metadata(checkpoint: Path) -> Problem | None:
