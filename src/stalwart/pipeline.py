@@ -41,9 +41,9 @@ from stalwart.storage.base import CheckpointStorage
 
 __all__ = [
     "AsyncSaver",
+    "FileProblem",
     "SaveResult",
     "StagingArea",
-    "FileProblem",
     "commit_checkpoint",
     "file_problems",
     "load_checkpoint",
