@@ -10,7 +10,6 @@ Times are seconds from ``time.perf_counter``; sizes are bytes; RSS is MiB.
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import copy
 import json
@@ -295,7 +294,7 @@ class References:
 # -------------------------------------------------------------------- methods
 
 
-class Method(abc.ABC):
+class Method:
     """One way to save (and maybe restore) a training state, set up over one directory.
 
     ``save(i)`` returns ``(stall_s, e2e_s, path)``: how long the training thread
@@ -310,18 +309,18 @@ class Method(abc.ABC):
         self.root, self.model, self.opt, self.state = root, model, opt, state
         root.mkdir(parents=True, exist_ok=True)
 
-    @abc.abstractmethod
-    def save(self, i: int) -> tuple[float, float, Path]: ...
+    def save(self, i: int) -> tuple[float, float, Path]:
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def restore(
         self, path: Path, model: nn.Module, opt: torch.optim.Optimizer, state: stalwart.TrainState
-    ) -> None: ...
+    ) -> None:
+        raise NotImplementedError
 
     def details(self) -> dict[str, Any]:
         return {}
 
-    def close(self) -> None:  # noqa: B027 - optional hook; most methods hold nothing to close
+    def close(self) -> None:
         pass
 
 
