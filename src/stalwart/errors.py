@@ -11,8 +11,10 @@ working::
     ├── UnsupportedFormatError(StalwartError, ValueError)
     ├── StateMismatchError(StalwartError, ValueError)
     ├── CheckpointSaveError(StalwartError, RuntimeError)
+    │   └── CommitConflictError             another writer committed the same step first
     ├── CoordinationError(StalwartError, RuntimeError)   ranks could not agree in time
-    └── RunLockedError(StalwartError, RuntimeError)
+    ├── RunLockedError(StalwartError, RuntimeError)
+    └── DurableStoreError(StalwartError, OSError)   the object store failed or refused
 
 Backend errors (``OSError`` from the filesystem, DCP's ``CheckpointException``,
 which derives from ``BaseException`` and escapes ``except Exception``) are
@@ -26,7 +28,9 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "CommitConflictError",
     "CoordinationError",
+    "DurableStoreError",
     "RunLockedError",
     "StalwartError",
     "StateMismatchError",
@@ -87,3 +91,27 @@ class CoordinationError(StalwartError, RuntimeError):
 
 class RunLockedError(StalwartError, RuntimeError):
     """Another live process holds the single-writer lock on the run directory."""
+
+
+class CommitConflictError(CheckpointSaveError):
+    """Another writer committed the same step to the same durable prefix first.
+
+    Two runs share one ``durable`` prefix: give each run its own prefix. The
+    checkpoint that was there first is untouched.
+    """
+
+
+class DurableStoreError(StalwartError, OSError):
+    """An object-store request failed, or the store refused it.
+
+    ``transient`` is True for failures that may pass (network errors, 5xx,
+    timeouts), False for refusals that retrying cannot fix (missing bucket,
+    denied access, bad credentials). Messages never contain credentials.
+    """
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -23,6 +25,7 @@ from stalwart.errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
     CoordinationError,
+    DurableStoreError,
     StalwartError,
 )
 from stalwart.events import EVENTS_NAME, EventLog
@@ -37,13 +40,36 @@ from stalwart.pipeline import (
 )
 from stalwart.policy import RetentionPolicy, SavePolicy
 from stalwart.state import TrainState
+from stalwart.storage.durable import DurableTier
 from stalwart.storage.local import LocalStorage
+from stalwart.storage.remote import RetryPolicy, redact_url
+from stalwart.upload import Uploader, transfer_progress
 
 __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger("stalwart")
 
 _PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+_SAME = object()
+"""Default of the durable retention arguments: the same as the local ones."""
+
+
+def _is_url(value: object) -> bool:
+    return isinstance(value, str) and "://" in value
+
+
+def local_cache_dir(url: str) -> Path:
+    """The node-local directory that stages checkpoints for ``directory=<URL>``.
+
+    Stable per URL (and user), so a restarted job on the same node finds the
+    checkpoints it already has instead of downloading them again.
+    """
+    import hashlib
+
+    base = Path(os.environ.get("STALWART_LOCAL_DIR") or tempfile.gettempdir())
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    tail = "".join(c if c.isalnum() or c in "-_." else "_" for c in url.split("://", 1)[1])
+    return base / f"stalwart-{os.getuid()}" / f"{tail[-48:]}-{digest}"
 
 
 def _stalwart_version() -> str:
@@ -87,8 +113,29 @@ class CheckpointManager:
             before the new checkpoint is committed. ``keep_last=None`` keeps all.
         async_save: stage the state into memory and write it in a background
             thread; ``save`` returns after the copy.
-        durable: a second, durable tier (object store URL). Not available in
-            this version; passing it raises ``NotImplementedError``.
+        durable: a durable tier: an object-store URL (``s3://bucket/prefix``,
+            ``gs://…``, ``az://…``, or any fsspec URL). Every committed
+            checkpoint (every ``durable_every``-th) is uploaded in the
+            background; ``save`` never waits for the network. ``restore`` takes
+            the newest checkpoint that verifies in either tier, downloading it
+            when the local copy is missing or bad. ``directory`` may itself be
+            such a URL: checkpoints are then staged in a node-local directory
+            (``$STALWART_LOCAL_DIR`` or the temp dir) and uploaded.
+        durable_every: upload every n-th committed checkpoint (emergency
+            checkpoints and the last one before ``close`` always).
+        durable_keep_last / durable_keep_every: retention in the durable tier
+            (default: the same as ``keep_last`` / ``keep_every``).
+        durable_options: options of the store client (obstore config keys such
+            as ``endpoint`` or ``region``; fsspec storage options), for settings
+            the environment does not give. Credentials are best left to the
+            environment; values given here never appear in logs or errors.
+        durable_max_pending: checkpoints that may wait for upload while the
+            durable tier is slow or down; local retention keeps them.
+        durable_timeout: seconds one upload keeps retrying a failing store
+            before it is reported (``upload_failed`` event) and tried again later.
+        durable_close_timeout: seconds ``close`` waits for uploads in progress
+            (None: as long as it takes). Steps still pending are uploaded by the
+            next run that opens the same directory.
         metadata: JSON data recorded in every manifest (dataset version, ...).
         config: the run's configuration (dict, dataclass or argparse Namespace),
             recorded in every manifest with a stable hash.
@@ -125,16 +172,53 @@ class CheckpointManager:
         process_group: Any = None,
         handle_signals: bool = True,
         save_timeout: float = 600.0,
+        durable_every: int = 1,
+        durable_keep_last: Any = _SAME,
+        durable_keep_every: Any = _SAME,
+        durable_options: Mapping[str, Any] | None = None,
+        durable_max_pending: int = 2,
+        durable_timeout: float = 900.0,
+        durable_close_timeout: float | None = 600.0,
     ) -> None:
+        if _is_url(directory) and not str(directory).startswith("file://"):
+            url = str(directory)
+            if durable is not None and durable != url:
+                raise ValueError(
+                    f"directory is the URL {redact_url(url)!r} and durable is "
+                    f"{redact_url(str(durable))!r}: give one URL (directory=URL alone), or a "
+                    "local directory plus durable=URL"
+                )
+            durable = url
+            directory = local_cache_dir(redact_url(url))
+            # The local copy only stages uploads; the durable tier keeps the history.
+            if durable_keep_last is _SAME:
+                durable_keep_last = keep_last
+            if durable_keep_every is _SAME:
+                durable_keep_every = keep_every
+            keep_last, keep_every = 1, None
+        elif _is_url(directory):
+            directory = str(directory)[len("file://") :]
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path, got {type(directory).__name__}")
         self.save_policy = SavePolicy(every_steps=every_steps, every_seconds=every_seconds)
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
-        if durable is not None:
-            raise NotImplementedError(
-                f"durable={durable!r}: the durable object-store tier is not part of this stalwart "
-                "version; checkpoints stay in the local directory"
+        if durable is not None and not _is_url(durable):
+            raise ValueError(
+                f"durable must be an object-store URL such as 's3://bucket/prefix', got {durable!r}"
             )
+        self.durable_retention = RetentionPolicy(
+            keep_last=keep_last if durable_keep_last is _SAME else durable_keep_last,
+            keep_every=keep_every if durable_keep_every is _SAME else durable_keep_every,
+        )
+        if (
+            isinstance(durable_every, bool)
+            or not isinstance(durable_every, int)
+            or durable_every < 1
+        ):
+            raise ValueError(f"durable_every must be a positive integer, got {durable_every!r}")
+        self.durable_every = durable_every
+        self._durable_retry = RetryPolicy(deadline=durable_timeout)
+        self._durable_close_timeout = durable_close_timeout
         if not (isinstance(save_timeout, (int, float)) and save_timeout > 0):
             raise ValueError(
                 f"save_timeout must be a positive number of seconds, got {save_timeout!r}"
@@ -157,13 +241,25 @@ class CheckpointManager:
         self.world_size = self._coord.world_size
         self.is_leader = self._coord.is_leader
         self._lock = RunLock(self.directory)
+        self.tier: DurableTier | None = None
+        durable_steps: list[int] | None = None
+        durable_down: str | None = None
+        """The durable tier (on the rank that commits), or None."""
+        self.durable_url = None if durable is None else redact_url(durable)
         error: BaseException | None = None
         try:
             self._prepare_directory()
             if self.is_leader:
                 self._lock.acquire()
-        except (OSError, StalwartError) as exc:
+                if durable is not None:
+                    self.tier = DurableTier(
+                        durable, options=durable_options, retry=self._durable_retry
+                    )
+                    durable_steps, durable_down = self._probe_durable(self.tier)
+        except (OSError, StalwartError, ValueError, ImportError) as exc:
             error = exc
+            if self.is_leader:
+                self._lock.release()
         reports = self._coord.all_gather(
             None if error is None else f"{type(error).__name__}: {error}"
         )
@@ -179,6 +275,8 @@ class CheckpointManager:
             self.directory / EVENTS_NAME if self.is_leader else None, rank=self.rank
         )
         self._saver = AsyncSaver() if async_save else None
+        self._uploader: Uploader | None = None
+        self._commits = 0
         self._staging = StagingArea()
         self.async_save = async_save
         self._closed = False
@@ -202,7 +300,10 @@ class CheckpointManager:
             every_seconds=every_seconds,
             keep_last=keep_last,
             keep_every=keep_every,
+            durable=self.durable_url,
         )
+        if self.tier is not None:
+            self._start_uploads(durable_max_pending, durable_steps, durable_down)
 
     # ------------------------------------------------------------------ setup
 
@@ -225,6 +326,48 @@ class CheckpointManager:
                 f"checkpoint directory {d} is not writable by this user (uid {os.getuid()}); "
                 "fix its permissions or choose another directory"
             )
+
+    @staticmethod
+    def _probe_durable(tier: DurableTier) -> tuple[list[int] | None, str | None]:
+        """List the durable tier once, briefly: refusals raise now, an outage only warns."""
+        probe = RetryPolicy(
+            deadline=10.0, initial_backoff=0.2, max_backoff=2.0, request_timeout=10.0
+        )
+        try:
+            return tier.committed_steps(retry=probe), None
+        except DurableStoreError as exc:
+            if not exc.transient:
+                raise DurableStoreError(
+                    f"the durable tier {tier.url} refuses this run: {exc}; check the bucket, "
+                    "the credentials and the permissions",
+                    transient=False,
+                ) from None
+            return None, str(exc)
+
+    def _start_uploads(
+        self, max_pending: int, durable_steps: list[int] | None, down: str | None
+    ) -> None:
+        """Start the upload thread and queue what an earlier run left behind."""
+        assert self.tier is not None
+        if down is not None:
+            # Down for now: train anyway, uploads catch up when it returns.
+            self.events.emit("durable_unreachable", logging.WARNING, error=down)
+        self._uploader = Uploader(
+            self.tier,
+            self.storage,
+            self.events,
+            retention=self.durable_retention,
+            max_pending=max_pending,
+            on_durable=self._apply_retention,
+        )
+        local = self.storage.committed_steps()
+        if durable_steps:
+            self._uploader.last_durable_step = durable_steps[-1]
+            behind = [s for s in local if s > durable_steps[-1]]
+        else:
+            behind = local[-1:]
+        for step in behind:
+            self._uploader.enqueue(step)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -299,12 +442,21 @@ class CheckpointManager:
         metrics_json = to_json_data(dict(metrics or {}), what="metrics")
         if self._saver is not None and not self._saver.busy:
             self._saver.wait()  # surface a failure of the previous background save now
+        upload_failed = self._uploader is not None and self._uploader.failed
         try:
-            signalled, due = self._coord.flags_max(
-                self._signalled.is_set(), force or self.should_save(step)
+            signalled, due, upload_failed = self._coord.flags_max(
+                self._signalled.is_set(), force or self.should_save(step), upload_failed
             )
         except CoordinationError as exc:
             raise CheckpointSaveError(f"saving step {step} failed: {exc}") from exc
+        if upload_failed:
+            # Every rank stops here together; rank 0 has the reason.
+            if self._uploader is not None:
+                self._uploader.raise_error()
+            raise CheckpointSaveError(
+                f"saving step {step} refused: an upload to the durable tier failed on rank 0 "
+                "(see its error and events.jsonl)"
+            )
         emergency = signalled and not self._preempted
         if signalled:
             self._preempted = True
@@ -450,17 +602,29 @@ class CheckpointManager:
             emergency=emergency,
             **result.timings(),
         )
+        self._commits += 1
+        if self._uploader is not None and (emergency or self._commits % self.durable_every == 0):
+            self._uploader.enqueue(result.step)
         self._apply_retention()
 
     def _apply_retention(self) -> None:
-        for step in self.retention.to_delete(self.storage.committed_steps()):
-            try:
-                self.storage.delete(step)
-            except OSError as exc:
-                # A failed deletion costs disk space, never a checkpoint; keep training.
-                self.events.emit("delete_failed", logging.WARNING, step=step, error=str(exc))
-            else:
-                self.events.emit("delete", step=step, reason="retention")
+        guard: contextlib.AbstractContextManager[set[int]] = (
+            self._uploader.holding()
+            if self._uploader is not None
+            else contextlib.nullcontext(set())
+        )
+        with guard as protected:
+            # Never delete locally what is not yet durable (queued or uploading).
+            for step in self.retention.to_delete(self.storage.committed_steps()):
+                if step in protected:
+                    continue
+                try:
+                    self.storage.delete(step)
+                except OSError as exc:
+                    # A failed deletion costs disk space, never a checkpoint; keep training.
+                    self.events.emit("delete_failed", logging.WARNING, step=step, error=str(exc))
+                else:
+                    self.events.emit("delete", step=step, reason="retention")
 
     # ---------------------------------------------------------------- restore
 
@@ -490,68 +654,69 @@ class CheckpointManager:
             ) from exc
 
     def _restore(self, state: TrainState, *, step: int | None, strict: bool) -> int | None:
-        # The leader lists the run once, so every rank walks the same candidates.
+        # The leader lists both tiers once, so every rank walks the same candidates.
         entries = self.storage.scan()
-        committed = self._coord.broadcast(
-            [e.step for e in entries if e.status == "committed" and e.step is not None]
-        )
+        local = [e.step for e in entries if e.status == "committed" and e.step is not None]
+        remote: list[int] = []
+        if self.tier is not None:
+            try:
+                remote = self.tier.committed_steps()
+            except DurableStoreError as exc:
+                self.events.emit("durable_unreachable", logging.WARNING, error=str(exc))
+        local, remote = self._coord.broadcast((local, remote))
+        committed = sorted(set(local) | set(remote))
         if step is not None:
             if step not in committed:
                 shown = ", ".join(map(str, committed[-10:])) or "none"
+                where = str(self.directory) + (
+                    f" or {self.durable_url}" if self.durable_url else ""
+                )
                 raise CheckpointNotFoundError(
-                    f"no committed checkpoint of step {step} in {self.directory} (committed steps: {shown})"
+                    f"no committed checkpoint of step {step} in {where} (committed steps: {shown})"
                 )
             candidates = [step]
         else:
             candidates = sorted(committed, reverse=True)
+        last_error: CheckpointCorruptError | None = None
         for candidate in candidates:
-            path = self.storage.step_path(candidate)
-            t0 = time.perf_counter()
-            try:
-                manifest = load_checkpoint(path, state, strict=strict, coordinator=self._coord)
-            except CheckpointCorruptError as exc:
-                self.events.emit(
-                    "restore_skipped",
-                    logging.WARNING,
-                    step=candidate,
-                    reason=str(exc),
-                    file=exc.path,
-                )
-                if step is not None:
-                    raise
-                if self.is_leader and not exc.transient:
-                    # Definitely bad content (not a transient read error): move it aside so
-                    # retention and later saves of this step are not confused by it.
-                    try:
-                        aside = self.storage.quarantine(candidate)
-                    except OSError as move_exc:
-                        # Falling back matters more than tidying up: keep going.
-                        self.events.emit(
-                            "quarantine_failed",
-                            logging.WARNING,
-                            step=candidate,
-                            error=str(move_exc),
-                        )
-                    else:
-                        self.events.emit("quarantine", step=candidate, path=str(aside))
-                continue
-            elapsed = time.perf_counter() - t0
-            newer = [s for s in committed if s > candidate]
-            self.resharded = manifest.world_size != self.world_size
-            self.events.emit(
-                "restore",
-                step=candidate,
-                seconds=round(elapsed, 6),
-                bytes=manifest.total_bytes,
-                saved_world_size=manifest.world_size,
-                world_size=self.world_size,
-                exact=not self.resharded,
-                newer_steps=newer,
+            sources = (["local"] if candidate in local else []) + (
+                ["durable"] if candidate in remote else []
             )
-            self._warn_if_ddp_resume_inexact(state)
-            self._last_save_time = time.monotonic()
-            self._last_saved_step = candidate
-            return candidate
+            for source in sources:
+                t0 = time.perf_counter()
+                try:
+                    if source == "durable":
+                        self._download(candidate)
+                    manifest = load_checkpoint(
+                        self.storage.step_path(candidate),
+                        state,
+                        strict=strict,
+                        coordinator=self._coord,
+                    )
+                except CheckpointCorruptError as exc:
+                    last_error = exc
+                    self._skip_bad(candidate, source, exc)
+                    continue
+                elapsed = time.perf_counter() - t0
+                newer = [s for s in committed if s > candidate]
+                self.resharded = manifest.world_size != self.world_size
+                self.events.emit(
+                    "restore",
+                    step=candidate,
+                    source=source,
+                    seconds=round(elapsed, 6),
+                    bytes=manifest.total_bytes,
+                    saved_world_size=manifest.world_size,
+                    world_size=self.world_size,
+                    exact=not self.resharded,
+                    newer_steps=newer,
+                )
+                self._warn_if_ddp_resume_inexact(state)
+                self._last_save_time = time.monotonic()
+                self._last_saved_step = candidate
+                return candidate
+            if step is not None and last_error is not None:
+                raise last_error
         incomplete = [e.name for e in entries if e.status == "incomplete"]
         self.events.emit(
             "restore_none",
@@ -559,6 +724,68 @@ class CheckpointManager:
             incomplete=incomplete,
         )
         return None
+
+    def _skip_bad(self, candidate: int, source: str, exc: CheckpointCorruptError) -> None:
+        self.events.emit(
+            "restore_skipped",
+            logging.WARNING,
+            step=candidate,
+            source=source,
+            reason=str(exc),
+            file=exc.path,
+        )
+        if not self.is_leader or exc.transient or not self.storage.step_path(candidate).exists():
+            return
+        # Definitely bad content (not a transient read error): move the local copy aside
+        # so retention, a download of the durable copy and later saves are not confused.
+        try:
+            aside = self.storage.quarantine(candidate)
+        except OSError as move_exc:
+            # Falling back matters more than tidying up: keep going.
+            self.events.emit(
+                "quarantine_failed", logging.WARNING, step=candidate, error=str(move_exc)
+            )
+        else:
+            self.events.emit("quarantine", step=candidate, path=str(aside))
+
+    def _download(self, step: int) -> None:
+        """Rank 0 fetches ``step`` from the durable tier into the local tier; all ranks agree."""
+        error: tuple[str, str | None, bool] | None = None
+        if self.is_leader:
+            assert self.tier is not None
+            try:
+                self._fetch(self.tier, step)
+            except CheckpointCorruptError as exc:
+                error = (str(exc), exc.path, exc.transient)
+            except (DurableStoreError, FileNotFoundError, OSError) as exc:
+                error = (f"download from {self.durable_url} failed: {exc}", None, True)
+        error = self._coord.broadcast(error)
+        if error is not None:
+            message, path, transient = error
+            raise CheckpointCorruptError(message, path=path, transient=transient)
+
+    def _fetch(self, tier: DurableTier, step: int) -> None:
+        t0 = time.perf_counter()
+        manifest = tier.read_manifest(step)
+        staging = self.storage.begin(step)
+        try:
+            with transfer_progress(
+                manifest.total_bytes, f"stalwart: downloading step {step}"
+            ) as advance:
+                manifest_bytes = tier.download(step, staging, advance=advance)
+            self.storage.commit(staging, step, manifest_bytes.decode("utf-8"))
+        except BaseException:
+            self.storage.abort(staging)
+            raise
+        seconds = time.perf_counter() - t0
+        self.events.emit(
+            "download",
+            step=step,
+            url=tier.url,
+            bytes=manifest.total_bytes,
+            seconds=round(seconds, 6),
+            throughput_MBps=round(manifest.total_bytes / 1e6 / max(seconds, 1e-9), 1),
+        )
 
     def _warn_if_ddp_resume_inexact(self, state: TrainState) -> None:
         model = state.model
@@ -589,14 +816,42 @@ class CheckpointManager:
         if self._saver is not None:
             self._saver.wait()
 
+    def wait_durable(self, timeout: float | None = None) -> bool:
+        """Block until every checkpoint queued for upload is in the durable tier.
+
+        Returns True when nothing is left to upload, False when ``timeout``
+        seconds passed first. Raises ``CheckpointSaveError`` (for example
+        ``CommitConflictError``) when an upload failed in a way retrying cannot
+        fix. Without a durable tier, and on ranks other than 0 (rank 0
+        uploads), it only waits for an in-flight async save.
+        """
+        self._check_open()
+        self.wait()
+        if self._uploader is None:
+            return True
+        return self._uploader.wait(timeout)
+
+    @property
+    def last_durable_step(self) -> int | None:
+        """Newest step known to be committed in the durable tier (None: none yet, or no tier)."""
+        return None if self._uploader is None else self._uploader.last_durable_step
+
+    @property
+    def pending_uploads(self) -> list[int]:
+        """Committed steps queued for, or being, uploaded to the durable tier (oldest first)."""
+        return [] if self._uploader is None else self._uploader.pending
+
     def close(self) -> None:
         """Wait for an in-flight save, remove signal handlers, release the run directory. Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self._saver is not None:
-                self._saver.close()
+            try:
+                if self._saver is not None:
+                    self._saver.close()
+            finally:
+                self._finish_uploads()
         finally:
             for signum, handler in self._old_handlers.items():
                 signal.signal(signum, handler)
@@ -606,6 +861,29 @@ class CheckpointManager:
             for coord in (self._coord, self._async_coord):
                 if coord is not None:
                     coord.destroy()
+
+    def _finish_uploads(self) -> None:
+        uploader = self._uploader
+        if uploader is None:
+            return
+        newest = self.latest_step()
+        if (
+            newest is not None
+            and newest not in uploader.pending
+            and (uploader.last_durable_step is None or newest > uploader.last_durable_step)
+        ):
+            uploader.enqueue(newest)  # the run's last checkpoint is always made durable
+        left = uploader.close(self._durable_close_timeout)
+        if left:
+            self.events.emit(
+                "durable_behind",
+                logging.WARNING,
+                steps=left,
+                reason=(
+                    f"not yet uploaded to {self.durable_url} when closing; the next run that "
+                    f"opens {self.directory} uploads them"
+                ),
+            )
 
     def _check_open(self) -> None:
         if self._closed:

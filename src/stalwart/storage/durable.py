@@ -1,0 +1,455 @@
+"""Committed checkpoints in an object store: the durable tier.
+
+Layout under the tier's URL prefix::
+
+    step_000000200/MANIFEST.json                     the commit marker, written last
+    step_000000200/data-<16 hex>/__0_0.distcp        data objects
+    step_000000200/data-<16 hex>/.metadata
+
+The object-store commit protocol (rename is not atomic there):
+
+1. Every data object is uploaded under ``data-<h>/``, where ``<h>`` is the
+   xxh3-64 of the exact MANIFEST.json bytes. Each file's bytes are hashed while
+   they are sent and must match the manifest, or nothing is committed; on S3
+   the store also verifies a SHA-256 of every request body.
+2. MANIFEST.json is written last with a create-only put (``If-None-Match: *``).
+   Of two writers committing the same step, exactly one succeeds; the other
+   gets ``CommitConflictError``. Because each writer's data lives under its own
+   manifest's hash, the loser never overwrote the winner's objects.
+3. A step without MANIFEST.json does not exist. Objects that no manifest refers
+   to (an upload cut short, the loser of a race) are orphans; ``gc`` deletes
+   those older than a grace period.
+
+Deletion is the reverse: the manifest first (the step stops existing), then
+its data.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from stalwart.errors import CheckpointCorruptError, CommitConflictError, DurableStoreError
+from stalwart.manifest import MANIFEST_NAME, Manifest, hash_file
+from stalwart.storage.local import step_dir_name
+from stalwart.storage.remote import (
+    ObjectClient,
+    RetryPolicy,
+    open_client,
+    read_chunks,
+    with_retries,
+)
+
+__all__ = ["DurableTier", "RemoteStep", "TransferResult", "data_dir_name"]
+
+_STEP_KEY = re.compile(r"^step_(\d{9,})/(.+)$")
+RANGE = 32 * 2**20
+"""Bytes per ranged GET when downloading; ranges of one file download in parallel."""
+
+
+def data_dir_name(manifest_bytes: bytes) -> str:
+    """Where the data objects of the checkpoint with this exact manifest live."""
+    return "data-" + xxhash.xxh3_64_hexdigest(manifest_bytes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferResult:
+    """What one upload or download moved."""
+
+    step: int
+    bytes: int
+    seconds: float
+    retries: int
+    already: bool = False
+    """True when the upload found this exact checkpoint committed already."""
+
+    @property
+    def mbps(self) -> float:
+        return self.bytes / 1e6 / max(self.seconds, 1e-9)
+
+
+@dataclasses.dataclass(slots=True)
+class RemoteStep:
+    """Everything stored under one ``step_…/`` prefix."""
+
+    step: int
+    committed: bool
+    objects: list[Any] = dataclasses.field(default_factory=list)
+    """``ObjectInfo`` of every object under the prefix (manifest included)."""
+
+    @property
+    def bytes(self) -> int:
+        return sum(o.size for o in self.objects)
+
+    @property
+    def modified(self) -> float:
+        return max((o.modified for o in self.objects), default=0.0)
+
+
+class DurableTier:
+    """A durable copy of a run's committed checkpoints under one object-store URL prefix.
+
+    Thread-safe for different steps; the manager uploads from one background
+    thread and downloads from the training thread.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        backend: str | None = None,
+        client: ObjectClient | None = None,
+    ) -> None:
+        self.retry = retry or RetryPolicy()
+        self.client = client or open_client(url, options=options, retry=self.retry, backend=backend)
+        self.url = self.client.url
+        self._retries = 0
+        self._retries_lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """Make every retry loop give up at its next wait (the manager is closing)."""
+        self._stop.set()
+
+    def __repr__(self) -> str:
+        return f"DurableTier({self.url!r})"
+
+    # -------------------------------------------------------------- listing
+
+    def scan(self, *, retry: RetryPolicy | None = None) -> list[RemoteStep]:
+        """Every step prefix, committed or not, oldest first (one listing).
+
+        ``retry`` overrides the tier's policy (a short deadline to probe the store).
+        """
+        steps: dict[int, RemoteStep] = {}
+        listing = self._retrying(self.client.list_objects, f"list {self.url}", None, None, retry)
+        for info in listing:
+            m = _STEP_KEY.match(info.key)
+            if not m:
+                continue  # not ours: leave it alone
+            step = int(m.group(1))
+            entry = steps.setdefault(step, RemoteStep(step=step, committed=False))
+            entry.objects.append(info)
+            if m.group(2) == MANIFEST_NAME:
+                entry.committed = True
+        return [steps[s] for s in sorted(steps)]
+
+    def committed_steps(self, *, retry: RetryPolicy | None = None) -> list[int]:
+        """Steps whose manifest exists, oldest first (not verified)."""
+        return [s.step for s in self.scan(retry=retry) if s.committed]
+
+    def manifest_bytes(self, step: int) -> bytes:
+        """The exact MANIFEST.json of ``step``; FileNotFoundError when it is not committed."""
+        key = f"{step_dir_name(step)}/{MANIFEST_NAME}"
+        return self._retrying(  # type: ignore[no-any-return]
+            lambda: self.client.get_bytes(key), f"read {self.url}/{key}", None, None
+        )
+
+    def read_manifest(self, step: int) -> Manifest:
+        source = f"{self.url}/{step_dir_name(step)}/{MANIFEST_NAME}"
+        return Manifest.from_json(self.manifest_bytes(step), source=source)
+
+    # --------------------------------------------------------------- upload
+
+    def upload(
+        self,
+        checkpoint: Path,
+        *,
+        should_stop: Callable[[], bool] | None = None,
+        on_retry: Callable[[str, int, float, DurableStoreError], None] | None = None,
+    ) -> TransferResult:
+        """Copy the committed local checkpoint directory ``checkpoint`` to the tier and commit it.
+
+        Idempotent: a step already committed with this exact manifest returns at
+        once (``already=True``). Raises ``CommitConflictError`` when another
+        writer committed a different checkpoint of the same step,
+        ``CheckpointCorruptError`` when a local file no longer matches its
+        manifest (nothing is committed), ``DurableStoreError`` when the store
+        keeps failing past the retry deadline or refuses the request.
+        """
+        t0 = time.perf_counter()
+        retries_before = self._retries
+        manifest_bytes = (checkpoint / MANIFEST_NAME).read_bytes()
+        manifest = Manifest.from_json(manifest_bytes, source=str(checkpoint / MANIFEST_NAME))
+        step = manifest.step
+        prefix = step_dir_name(step)
+        manifest_key = f"{prefix}/{MANIFEST_NAME}"
+        if self._committed_as(step, manifest_bytes, should_stop, on_retry):
+            return TransferResult(step, 0, time.perf_counter() - t0, 0, already=True)
+        data = f"{prefix}/{data_dir_name(manifest_bytes)}"
+
+        def put_file(entry: Any) -> None:
+            key = f"{data}/{entry.path}"
+
+            def attempt() -> None:
+                h = xxhash.xxh3_128()
+                size = 0
+
+                def chunks() -> Iterator[bytes]:
+                    nonlocal size
+                    for chunk in read_chunks(checkpoint / entry.path):
+                        h.update(chunk)
+                        size += len(chunk)
+                        yield chunk
+
+                self.client.put_chunks(key, chunks())
+                if size != entry.size or h.hexdigest() != entry.xxh3_128:
+                    raise CheckpointCorruptError(
+                        f"{checkpoint / entry.path}: the local file no longer matches its "
+                        f"manifest (size {size}, manifest {entry.size}); not uploading step {step}",
+                        path=str(checkpoint / entry.path),
+                    )
+
+            self._retrying(attempt, f"upload {key} to {self.url}", should_stop, on_retry)
+
+        try:
+            self._parallel(put_file, manifest.files)
+            self._retrying(
+                lambda: self.client.put_bytes(manifest_key, manifest_bytes, create_only=True),
+                f"commit {manifest_key} to {self.url}",
+                should_stop,
+                on_retry,
+            )
+        except FileExistsError:
+            # Created between our first look and now: ours (a retried request whose
+            # first try did succeed) or another writer's.
+            if not self._committed_as(step, manifest_bytes, should_stop, on_retry):
+                raise  # pragma: no cover - _committed_as raised the conflict already
+        except CheckpointCorruptError:
+            self._forget(data)
+            raise
+        return TransferResult(
+            step,
+            manifest.total_bytes + len(manifest_bytes),
+            time.perf_counter() - t0,
+            self._retries - retries_before,
+        )
+
+    def _committed_as(
+        self,
+        step: int,
+        manifest_bytes: bytes,
+        should_stop: Callable[[], bool] | None,
+        on_retry: Callable[[str, int, float, DurableStoreError], None] | None,
+    ) -> bool:
+        """True if ``step`` is committed with exactly these manifest bytes; raise if with others."""
+        key = f"{step_dir_name(step)}/{MANIFEST_NAME}"
+        try:
+            existing = self._retrying(
+                lambda: self.client.get_bytes(key),
+                f"read {key} from {self.url}",
+                should_stop,
+                on_retry,
+            )
+        except FileNotFoundError:
+            return False
+        if existing == manifest_bytes:
+            return True
+        try:
+            theirs = Manifest.from_json(existing, source=f"{self.url}/{key}")
+            who = f"written on {theirs.hostname or 'an unknown host'} at {theirs.created}"
+        except (CheckpointCorruptError, ValueError):
+            who = "unreadable"
+        raise CommitConflictError(
+            f"step {step} is already committed in {self.url} by another writer ({who}); "
+            "two runs share this durable prefix. Give each run its own prefix; the "
+            "checkpoint already there is untouched"
+        )
+
+    def _forget(self, data_prefix: str) -> None:
+        """Best-effort removal of data objects that will never be committed (gc catches misses)."""
+        try:
+            keys = [o.key for o in self.client.list_objects(data_prefix + "/")]
+            self.client.delete(keys)
+        except (DurableStoreError, FileNotFoundError):
+            pass
+
+    # ------------------------------------------------------------- download
+
+    def download(
+        self,
+        step: int,
+        destination: Path,
+        *,
+        advance: Callable[[int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> bytes:
+        """Fetch committed ``step`` into the empty directory ``destination``; return the manifest bytes.
+
+        Ranges of each file download in parallel; every file is fsynced and
+        checked against the manifest (size, xxh3-128) before this returns, so a
+        damaged or incomplete remote copy raises ``CheckpointCorruptError`` and
+        never reaches a reader. MANIFEST.json is not written into
+        ``destination``: the caller commits the directory with it.
+        """
+        manifest_bytes = self.manifest_bytes(step)
+        source = f"{self.url}/{step_dir_name(step)}"
+        manifest = Manifest.from_json(manifest_bytes, source=f"{source}/{MANIFEST_NAME}")
+        if manifest.step != step:
+            raise CheckpointCorruptError(
+                f"{source}/{MANIFEST_NAME} says step {manifest.step}",
+                path=f"{source}/{MANIFEST_NAME}",
+            )
+        data = f"{step_dir_name(step)}/{data_dir_name(manifest_bytes)}"
+        jobs: list[tuple[Any, int, int]] = []
+        for entry in manifest.files:
+            target = destination / entry.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "wb") as f:
+                f.truncate(entry.size)
+            jobs += [(entry, s, min(s + RANGE, entry.size)) for s in range(0, entry.size, RANGE)]
+
+        def fetch(job: tuple[Any, int, int]) -> None:
+            entry, start, end = job
+            key = f"{data}/{entry.path}"
+            try:
+                blob = self._retrying(
+                    lambda: self.client.get_range(key, start, end),
+                    f"download {key} from {self.url}",
+                    should_stop,
+                    None,
+                )
+            except FileNotFoundError as exc:
+                raise CheckpointCorruptError(
+                    f"{source}: data object {entry.path} is missing", path=f"{source}/{entry.path}"
+                ) from exc
+            if len(blob) != end - start:
+                raise CheckpointCorruptError(
+                    f"{source}/{entry.path}: short object ({start + len(blob)} of {entry.size} bytes)",
+                    path=f"{source}/{entry.path}",
+                )
+            fd = os.open(destination / entry.path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, blob, start)
+            finally:
+                os.close(fd)
+            if advance is not None:
+                advance(len(blob))
+
+        self._parallel(fetch, jobs)
+        for entry in manifest.files:
+            path = destination / entry.path
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            size, digest = hash_file(path)
+            if size != entry.size or digest != entry.xxh3_128:
+                raise CheckpointCorruptError(
+                    f"{source}/{entry.path}: downloaded copy does not match the manifest "
+                    f"(xxh3-128 {digest}, manifest says {entry.xxh3_128}); the durable copy is damaged",
+                    path=f"{source}/{entry.path}",
+                )
+        return manifest_bytes
+
+    # ------------------------------------------------------------- deletion
+
+    def delete(self, step: int) -> None:
+        """Remove committed ``step``: the manifest first (it stops existing), then its data."""
+        prefix = step_dir_name(step)
+        self._retrying(
+            lambda: self.client.delete([f"{prefix}/{MANIFEST_NAME}"]),
+            f"delete {prefix}/{MANIFEST_NAME} from {self.url}",
+            None,
+            None,
+        )
+        try:
+            keys = [o.key for o in self.client.list_objects(prefix + "/")]
+            self.client.delete(keys)
+        except DurableStoreError:
+            pass  # the step no longer exists; its data is an orphan for gc
+
+    def orphans(self, *, older_than: float, now: float | None = None) -> list[Any]:
+        """Objects no committed manifest refers to, last modified more than ``older_than`` s ago.
+
+        A step prefix without a manifest is an upload in progress or cut short;
+        data directories beside a committed manifest that are not its own are a
+        lost race or a failed attempt. The grace period keeps uploads in progress
+        (by this run or another) out of reach.
+        """
+        now = time.time() if now is None else now
+        found = []
+        for entry in self.scan():
+            live = None
+            if entry.committed:
+                try:
+                    live = data_dir_name(self.manifest_bytes(entry.step))
+                except FileNotFoundError:
+                    live = None
+            prefix = step_dir_name(entry.step)
+            for obj in entry.objects:
+                rel = obj.key[len(prefix) + 1 :]
+                if entry.committed and (rel == MANIFEST_NAME or rel.split("/", 1)[0] == live):
+                    continue
+                if now - obj.modified >= older_than:
+                    found.append(obj)
+        return found
+
+    def remove(self, keys: list[str]) -> None:
+        """Delete objects by key (for gc), in batches."""
+        for i in range(0, len(keys), 500):
+            batch = keys[i : i + 500]
+            self._retrying(
+                lambda batch=batch: self.client.delete(batch),  # type: ignore[misc]
+                f"delete from {self.url}",
+                None,
+                None,
+            )
+
+    # -------------------------------------------------------------- helpers
+
+    def _retrying(
+        self,
+        operation: Callable[[], Any],
+        what: str,
+        should_stop: Callable[[], bool] | None,
+        on_retry: Callable[[str, int, float, DurableStoreError], None] | None,
+        policy: RetryPolicy | None = None,
+    ) -> Any:
+        def note(attempt: int, delay: float, error: DurableStoreError) -> None:
+            with self._retries_lock:
+                self._retries += 1
+            if on_retry is not None:
+                on_retry(what, attempt, delay, error)
+
+        def stop() -> bool:
+            return self._stop.is_set() or (should_stop is not None and should_stop())
+
+        return with_retries(
+            operation,
+            policy or self.retry,
+            what=what,
+            on_retry=note,
+            should_stop=stop,
+            sleep=self._stop.wait,
+        )
+
+    @staticmethod
+    def _parallel(fn: Callable[[Any], None], items: list[Any]) -> None:
+        if len(items) <= 1:
+            for item in items:
+                fn(item)
+            return
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(8, len(items)), thread_name_prefix="stalwart-transfer"
+        ) as pool:
+            futures = [pool.submit(fn, item) for item in items]
+            error: BaseException | None = None
+            for future in futures:
+                exc = future.exception()
+                if exc is not None and error is None:
+                    error = exc
+            if error is not None:
+                raise error
