@@ -8,9 +8,12 @@ EXPECTED = {
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "CommitConflictError",
     "CoordinationError",
+    "DurableStoreError",
     "ResumableDataLoader",
     "ResumableSampler",
+    "RetryPolicy",
     "RunLockedError",
     "StalwartError",
     "StateMismatchError",
@@ -43,12 +46,15 @@ def test_every_error_derives_from_stalwart_error_and_a_builtin():
         "CheckpointSaveError": RuntimeError,
         "CoordinationError": RuntimeError,
         "RunLockedError": RuntimeError,
+        "CommitConflictError": RuntimeError,
+        "DurableStoreError": OSError,
     }
     for name, builtin in builtins.items():
         cls = getattr(errors, name)
         assert issubclass(cls, stalwart.StalwartError), name
         assert issubclass(cls, builtin), name
     assert issubclass(stalwart.UnsafeCheckpointError, stalwart.CheckpointCorruptError)
+    assert issubclass(stalwart.CommitConflictError, stalwart.CheckpointSaveError)
 
 
 def test_local_storage_satisfies_the_storage_protocol(tmp_path):

@@ -17,7 +17,9 @@ from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointSaveError,
+    CommitConflictError,
     CoordinationError,
+    DurableStoreError,
     RunLockedError,
     StalwartError,
     StateMismatchError,
@@ -27,6 +29,7 @@ from stalwart.errors import (
 from stalwart.manager import CheckpointManager
 from stalwart.sampler import ResumableDataLoader, ResumableSampler
 from stalwart.state import TrainState
+from stalwart.storage.remote import RetryPolicy
 
 __version__ = "0.1.0"
 
@@ -35,9 +38,12 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "CommitConflictError",
     "CoordinationError",
+    "DurableStoreError",
     "ResumableDataLoader",
     "ResumableSampler",
+    "RetryPolicy",
     "RunLockedError",
     "StalwartError",
     "StateMismatchError",

@@ -131,8 +131,11 @@ class CheckpointManager:
             environment; values given here never appear in logs or errors.
         durable_max_pending: checkpoints that may wait for upload while the
             durable tier is slow or down; local retention keeps them.
-        durable_timeout: seconds one upload keeps retrying a failing store
-            before it is reported (``upload_failed`` event) and tried again later.
+        durable_retry: timeouts and backoff of object-store requests
+            (``stalwart.RetryPolicy``; by default each request has 120 s, and one
+            upload keeps retrying a failing store for 15 minutes with
+            exponential backoff and jitter before it is reported as an
+            ``upload_failed`` event and tried again later).
         durable_close_timeout: seconds ``close`` waits for uploads in progress
             (None: as long as it takes). Steps still pending are uploaded by the
             next run that opens the same directory.
@@ -177,7 +180,7 @@ class CheckpointManager:
         durable_keep_every: Any = _SAME,
         durable_options: Mapping[str, Any] | None = None,
         durable_max_pending: int = 2,
-        durable_timeout: float = 900.0,
+        durable_retry: RetryPolicy | None = None,
         durable_close_timeout: float | None = 600.0,
     ) -> None:
         if _is_url(directory) and not str(directory).startswith("file://"):
@@ -217,7 +220,11 @@ class CheckpointManager:
         ):
             raise ValueError(f"durable_every must be a positive integer, got {durable_every!r}")
         self.durable_every = durable_every
-        self._durable_retry = RetryPolicy(deadline=durable_timeout)
+        if durable_retry is not None and not isinstance(durable_retry, RetryPolicy):
+            raise TypeError(
+                f"durable_retry must be a stalwart.RetryPolicy, got {type(durable_retry).__name__}"
+            )
+        self._durable_retry = durable_retry or RetryPolicy()
         self._durable_close_timeout = durable_close_timeout
         if not (isinstance(save_timeout, (int, float)) and save_timeout > 0):
             raise ValueError(

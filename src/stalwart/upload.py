@@ -65,6 +65,7 @@ class Uploader:
         self._inflight: int | None = None
         self._committed_at: dict[int, float] = {}
         self._error: BaseException | None = None
+        self._gave_up: set[int] = set()
         self._closing = False
         self._wake = threading.Event()
         self.last_durable_step: int | None = None
@@ -80,7 +81,7 @@ class Uploader:
     def enqueue(self, step: int, *, committed_at: float | None = None) -> None:
         """Queue committed local ``step`` for upload; drop the oldest waiting one beyond the limit."""
         with self._cond:
-            if step in self._pending or step == self._inflight:
+            if step in self._pending or step == self._inflight or step in self._gave_up:
                 return
             self._pending.append(step)
             self._pending.sort()
@@ -284,6 +285,7 @@ class Uploader:
             will_retry=False,
         )
         with self._cond:
+            self._gave_up.add(step)  # reported once; never retried by this run
             if self._error is None:
                 self._error = exc
             self._cond.notify_all()

@@ -73,6 +73,7 @@ _SECRET_ENV = (
     "AZURE_CLIENT_SECRET",
     "GOOGLE_SERVICE_ACCOUNT_KEY",
 )
+_STATUS = re.compile(r"status code: (\d{3})")
 _SECRET_OPTION = re.compile(r"(secret|key|token|password|sas|credential|signature)", re.I)
 
 
@@ -301,10 +302,15 @@ class ObstoreClient:
         if isinstance(exc, permanent):
             return DurableStoreError(message, transient=False)
         low = message.lower()
-        if "nosuchbucket" in low or "invalidbucketname" in low or "baddigest" in low:
-            # A missing bucket does not appear by retrying; a BadDigest means the
-            # bytes changed under us, and the caller re-reads and re-sends.
-            return DurableStoreError(message, transient="baddigest" in low)
+        if "baddigest" in low:
+            # The bytes changed in transit: re-reading and re-sending fixes it.
+            return DurableStoreError(message, transient=True)
+        status = _STATUS.search(str(exc))
+        if status is not None:
+            code = int(status.group(1))
+            # 4xx (a missing bucket, denied access, a bad signature) does not pass by
+            # retrying; 408 (timeout) and 429 (slow down) do, like every 5xx.
+            return DurableStoreError(message, transient=code >= 500 or code in (408, 429))
         return DurableStoreError(message, transient=True)
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
