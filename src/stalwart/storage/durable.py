@@ -42,6 +42,7 @@ from stalwart.errors import CheckpointCorruptError, CommitConflictError, Durable
 from stalwart.manifest import MANIFEST_NAME, Manifest, hash_file
 from stalwart.storage.local import step_dir_name
 from stalwart.storage.remote import (
+    CHUNK,
     ObjectClient,
     RetryPolicy,
     open_client,
@@ -195,15 +196,22 @@ class DurableTier:
             def attempt() -> None:
                 h = xxhash.xxh3_128()
                 size = 0
+                if entry.size <= CHUNK:
+                    # One PUT: a streamed body would cost a 3-request multipart upload.
+                    blob = (checkpoint / entry.path).read_bytes()
+                    h.update(blob)
+                    size = len(blob)
+                    self.client.put_bytes(key, blob)
+                else:
 
-                def chunks() -> Iterator[bytes]:
-                    nonlocal size
-                    for chunk in read_chunks(checkpoint / entry.path):
-                        h.update(chunk)
-                        size += len(chunk)
-                        yield chunk
+                    def chunks() -> Iterator[bytes]:
+                        nonlocal size
+                        for chunk in read_chunks(checkpoint / entry.path):
+                            h.update(chunk)
+                            size += len(chunk)
+                            yield chunk
 
-                self.client.put_chunks(key, chunks())
+                    self.client.put_chunks(key, chunks())
                 if size != entry.size or h.hexdigest() != entry.xxh3_128:
                     raise CheckpointCorruptError(
                         f"{checkpoint / entry.path}: the local file no longer matches its "

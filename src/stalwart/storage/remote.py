@@ -319,12 +319,20 @@ class ObstoreClient:
         except Exception as exc:
             raise self._error(exc, what) from None
 
+    def _put(self, what: str, fn: Callable[[], object]) -> None:
+        try:
+            self._call(what, fn)
+        except FileNotFoundError as exc:
+            # A put is never legitimately "not found": a multipart upload whose
+            # completion was retried after a lost response (NoSuchUpload). Try again.
+            raise DurableStoreError(str(exc), transient=True) from None
+
     def put_bytes(self, key: str, data: bytes, *, create_only: bool = False) -> None:
         mode = "create" if create_only else "overwrite"
-        self._call(f"put {key} to", lambda: self._obstore.put(self._store, key, data, mode=mode))
+        self._put(f"put {key} to", lambda: self._obstore.put(self._store, key, data, mode=mode))
 
     def put_chunks(self, key: str, chunks: Iterable[bytes]) -> None:
-        self._call(
+        self._put(
             f"upload {key} to",
             lambda: self._obstore.put(
                 self._store, key, iter(chunks), chunk_size=CHUNK, max_concurrency=8
