@@ -252,7 +252,9 @@ class ObstoreClient:
         endpoint = options.get("endpoint") or options.get("aws_endpoint") or ""
         if not endpoint and scheme in ("s3", "s3a"):
             endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or ""
-        if str(endpoint).startswith("http://"):
+        # Passing client options makes obstore ignore AWS_ALLOW_HTTP: carry it over.
+        allow_env = os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes")
+        if str(endpoint).startswith("http://") or allow_env:
             client_options.setdefault("allow_http", True)
         if checksums and scheme in ("s3", "s3a"):
             # The store verifies a SHA-256 of every request body and refuses a
