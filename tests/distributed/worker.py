@@ -101,6 +101,7 @@ def main() -> int:
     ap.add_argument("--restore-step", type=int, default=None)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--log-to", default=None, help="also append this rank's messages to a file")
+    ap.add_argument("--durable", default=None, help="durable tier URL (credentials from env)")
     args = ap.parse_args()
 
     rank, world = stalwart.init_distributed("gloo")
@@ -133,6 +134,8 @@ def main() -> int:
         # A rank that hangs on purpose should die at torchrun's first SIGTERM
         # rather than wait out torchrun's grace period with the flag set.
         handle_signals=not args.hang,
+        durable=args.durable,
+        durable_retry=stalwart.RetryPolicy(initial_backoff=0.05, max_backoff=0.5, deadline=30.0),
     ) as ckpt:
         start = ckpt.restore(state, step=args.restore_step) or 0
         say(f"rank {rank} start {start} resharded {ckpt.resharded}")
