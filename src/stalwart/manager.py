@@ -764,7 +764,7 @@ class CheckpointManager:
                 self._fetch(self.tier, step)
             except CheckpointCorruptError as exc:
                 error = (str(exc), exc.path, exc.transient)
-            except (DurableStoreError, FileNotFoundError, OSError) as exc:
+            except (StalwartError, OSError) as exc:
                 error = (f"download from {self.durable_url} failed: {exc}", None, True)
         error = self._coord.broadcast(error)
         if error is not None:

@@ -32,6 +32,7 @@ from rich.table import Table
 from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    DurableStoreError,
     StalwartError,
     UnsupportedFormatError,
 )
@@ -41,12 +42,16 @@ from stalwart.manifest import MANIFEST_NAME, Manifest
 from stalwart.pipeline import file_problems, read_manifest
 from stalwart.safe_load import read_dcp_metadata
 from stalwart.storage.base import StepEntry
+from stalwart.storage.durable import DurableTier
 from stalwart.storage.local import LocalStorage
+from stalwart.storage.remote import RetryPolicy
 
 __all__ = [
     "EXIT_BAD",
     "EXIT_OK",
     "EXIT_USAGE",
+    "STORE_RETRY",
+    "DurableHistory",
     "Problem",
     "RunHistory",
     "UsageError",
@@ -59,14 +64,17 @@ __all__ = [
     "format_mapping",
     "format_seconds",
     "format_time",
+    "is_url",
     "iso_utc",
     "load_manifest",
     "make_console",
     "name_step",
     "new_table",
+    "open_tier",
     "progress_bar",
     "read_history",
     "scan",
+    "store_error",
 ]
 
 EXIT_OK = 0
@@ -79,6 +87,7 @@ EXIT_USAGE = 2
 # The names a checkpoint directory has in a run (committed, staging, moved aside).
 _CHECKPOINT_NAME_RE = re.compile(r"^\.?step_(\d{9,})(\.(tmp|del|corrupt)-[0-9a-f]+)?$")
 _DCP_METADATA = ".metadata"
+_XML_TAIL = re.compile(r":?\s*<\?xml[^>]*\?>.*$", re.S)
 _TIMING_KEYS = ("stall_s", "write_s", "checksum_s", "commit_s", "total_s", "throughput_MBps")
 
 
@@ -179,6 +188,47 @@ def dir_usage(path: Path) -> tuple[int, int]:
     return total, files
 
 
+def is_url(text: str) -> bool:
+    """Whether a command-line target names an object-store prefix (``s3://…``) rather than a path."""
+    return "://" in text
+
+
+STORE_RETRY = RetryPolicy(
+    initial_backoff=0.5, max_backoff=5.0, deadline=30.0, request_timeout=60.0, connect_timeout=10.0
+)
+"""How long a command keeps trying an unreachable store: a person is waiting, so 30 s, not the
+manager's 15 minutes; refusals (missing bucket, denied access) fail at once."""
+
+
+def open_tier(url: str) -> DurableTier:
+    """The durable tier at ``url``, credentials from the environment; a ``UsageError`` if it
+    cannot be opened (a malformed URL, a missing client library, bad store options)."""
+    try:
+        return DurableTier(url, retry=STORE_RETRY)
+    except (DurableStoreError, ValueError, ImportError) as exc:
+        raise UsageError(f"{exc}") from None
+
+
+def store_error(exc: OSError) -> UsageError:
+    """A one-line ``UsageError`` for a store that could not be listed or read.
+
+    The store's own message says what failed (status, bucket); the hint says what
+    a person usually has to fix: the URL or the credentials the environment holds.
+    """
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, DurableStoreError) and exc.transient:
+        hint = "the store did not answer; check the endpoint (AWS_ENDPOINT_URL) and the network"
+    else:
+        hint = (
+            "check the bucket and prefix in the URL and the credentials in the environment "
+            "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
+            "GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_ACCOUNT_KEY)"
+        )
+    # One line: store messages may carry newlines and the start of an XML error body.
+    text = " ".join(_XML_TAIL.sub("", message).split())
+    return UsageError(f"{text}; {hint}")
+
+
 # ----------------------------------------------------------------- checking files
 
 
@@ -245,6 +295,121 @@ class RunHistory:
     """Timings of the last ``save`` event of each step (stall_s, write_s, ...)."""
     skip_reasons: dict[int, str] = dataclasses.field(default_factory=dict)
     """Reason of the last ``restore_skipped`` event of each step."""
+    durable: DurableHistory = dataclasses.field(default_factory=lambda: DurableHistory())
+    """What the events say about the run's durable tier."""
+
+
+def _int_step(record: Mapping[str, Any]) -> int | None:
+    step = record.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _url(value: Any) -> str | None:
+    return value.rstrip("/") if isinstance(value, str) and value else None
+
+
+@dataclasses.dataclass(slots=True)
+class _TierRecord:
+    """The upload history of one durable URL."""
+
+    durable: set[int] = dataclasses.field(default_factory=set)
+    """Steps uploaded (or downloaded from it) and not deleted by durable retention since."""
+    uploads: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """The last ``upload`` event of each step."""
+    failures: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """The last ``upload_failed`` event of each step not uploaded since."""
+    unreachable: dict[str, Any] | None = None
+    """The last ``durable_unreachable`` event, if no upload succeeded after it."""
+    behind: list[int] = dataclasses.field(default_factory=list)
+    """``durable_behind`` steps of the last close, minus those uploaded since."""
+
+
+@dataclasses.dataclass(slots=True)
+class DurableHistory:
+    """Which steps of a run reached its durable tier, according to ``events.jsonl``.
+
+    Runs can be reopened with another ``durable=`` URL, so everything is kept per
+    URL: ``upload`` and ``download`` events name theirs; ``durable_delete``,
+    ``upload_failed`` and the other durable events belong to the URL of the
+    ``open`` before them. The tier shown is the newest ``open`` event's, else that
+    of the newest upload. A step restored from the tier (``download``) is in it.
+    """
+
+    _opened: str | None = None
+    _seen: str | None = None
+    _session: str | None = None
+    _tiers: dict[str, _TierRecord] = dataclasses.field(default_factory=dict)
+
+    def feed(self, record: Mapping[str, Any]) -> None:
+        """Take one event (in log order)."""
+        event = record.get("event")
+        step = _int_step(record)
+        if event == "open":
+            self._session = self._opened = _url(record.get("durable"))
+            self._seen = self._session or self._seen
+            return
+        url = _url(record.get("url")) if event in ("upload", "download") else None
+        url = url or self._session
+        if url is None:
+            return
+        tier = self._tiers.setdefault(url, _TierRecord())
+        if event == "upload" and step is not None:
+            self._seen = url
+            tier.durable.add(step)
+            tier.uploads[step] = dict(record)
+            tier.failures.pop(step, None)
+            tier.unreachable = None
+            tier.behind = [s for s in tier.behind if s != step]
+        elif event == "download" and step is not None:
+            tier.durable.add(step)  # it was restored from there, so it is there
+        elif event == "durable_delete" and step is not None:
+            tier.durable.discard(step)
+        elif event == "upload_failed" and step is not None:
+            tier.failures[step] = dict(record)
+        elif event == "durable_unreachable":
+            tier.unreachable = dict(record)
+        elif event == "durable_behind":
+            steps = record.get("steps")
+            tier.behind = (
+                [s for s in steps if isinstance(s, int)] if isinstance(steps, list) else []
+            )
+
+    @property
+    def url(self) -> str | None:
+        """The run's durable URL (no credentials), or None when it never had one."""
+        return self._opened or self._seen
+
+    def _tier(self) -> _TierRecord:
+        url = self.url
+        return self._tiers.get(url, _TierRecord()) if url is not None else _TierRecord()
+
+    @property
+    def steps(self) -> set[int]:
+        """Steps durable in the current tier: uploaded and not deleted by its retention."""
+        return set(self._tier().durable)
+
+    @property
+    def last_step(self) -> int | None:
+        """The newest durable step (what ``CheckpointManager.last_durable_step`` reported)."""
+        return max(self._tier().durable, default=None)
+
+    def upload_of(self, step: int) -> dict[str, Any] | None:
+        """The last ``upload`` event of ``step`` to the current tier."""
+        return self._tier().uploads.get(step)
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        """``upload_failed`` events of steps never uploaded afterwards, oldest step first."""
+        tier = self._tier()
+        return [tier.failures[s] for s in sorted(tier.failures)]
+
+    @property
+    def unreachable(self) -> dict[str, Any] | None:
+        return self._tier().unreachable
+
+    @property
+    def behind(self) -> list[int]:
+        return list(self._tier().behind)
 
 
 def read_history(run: Path, warn: TextIO) -> RunHistory:
@@ -252,6 +417,7 @@ def read_history(run: Path, warn: TextIO) -> RunHistory:
     history = RunHistory()
     try:
         for record in read_events(run):
+            history.durable.feed(record)
             step = record.get("step")
             if not isinstance(step, int) or isinstance(step, bool):
                 continue
