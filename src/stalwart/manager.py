@@ -252,7 +252,7 @@ class CheckpointManager:
         durable_steps: list[int] | None = None
         durable_down: str | None = None
         """The durable tier (on the rank that commits), or None."""
-        self.durable_url = None if durable is None else redact_url(durable)
+        self.durable_url = None if durable is None else redact_url(durable).rstrip("/")
         error: BaseException | None = None
         try:
             self._prepare_directory()

@@ -13,6 +13,13 @@ those moments gets ``RunLockedError`` naming gc's pid. When another process
 holds the lock, gc refuses, unless ``--force``: then it removes only entries
 older than the grace period, since a younger ``.tmp-`` may be the save being
 written right now.
+
+Given a durable tier URL instead of a run, gc removes the tier's orphans: objects
+no committed manifest refers to (uploads cut short, the loser of a commit race,
+data left by an interrupted deletion). An object store has no lock and no rename,
+so an upload in progress looks exactly like an abandoned one; only age tells them
+apart. Orphans are therefore removed per data directory, and only when its newest
+object is older than the grace period.
 """
 
 from __future__ import annotations
@@ -37,16 +44,21 @@ from stalwart.cli.common import (
     dir_usage,
     existing_dir,
     format_bytes,
+    is_url,
     make_console,
     new_table,
+    open_tier,
     scan,
+    store_error,
 )
-from stalwart.errors import RunLockedError
+from stalwart.errors import DurableStoreError, RunLockedError
 from stalwart.events import EVENTS_NAME, EventLog
 from stalwart.lock import LOCK_NAME, RunLock
 from stalwart.plan import parse_duration
+from stalwart.storage.durable import DurableTier
+from stalwart.storage.remote import redact_url
 
-__all__ = ["add_parser", "collect_garbage", "run"]
+__all__ = ["add_parser", "collect_garbage", "collect_store_garbage", "run"]
 
 EPILOG = """\
 what is removed (all of it hidden, none of it ever restored):
@@ -63,12 +75,26 @@ the run lock:
   only entries older than --grace, which a live save cannot be if the grace
   period is longer than a save takes.
 
+a durable tier (RUN is a URL: s3://bucket/prefix, gs://..., az://..., file:///...):
+  gc removes orphans, objects no committed MANIFEST.json refers to: uploads cut
+  short, the losing side of a commit race, data of an interrupted deletion. An
+  upload in progress looks the same, so a data directory is removed only when
+  its newest object is older than --grace (default 1h, which must exceed the
+  longest upload plus any clock difference with the store). Committed steps are
+  never touched. Credentials come from the environment (AWS_*, ...).
+
 exit status:
   0  done (or, with --dry-run, listed)
   1  the run is locked by another process and --force was not given, or an
      entry could not be removed (the reason is printed)
-  2  usage error: RUN is missing, a file, or not a run directory; a bad --grace
+  2  usage error: RUN is missing, a file, or not a run directory; a bad --grace;
+     the store at URL cannot be listed (missing bucket, denied access, unreachable)
 """
+
+DEFAULT_GRACE = 3600.0
+"""One hour, for runs and object stores alike: a save or an upload still being written is
+younger than that. In a store this is the only guard (no lock, no rename), so it must
+exceed the longest upload."""
 
 _GARBAGE_RE = re.compile(r"^\.step_(\d{9,})\.(tmp|del|corrupt)-[0-9a-f]+$")
 
@@ -89,21 +115,24 @@ def add_parser(subparsers: Any) -> None:
             "leftovers of interrupted deletions (.step_*.del-*) and, with --corrupt, "
             "checkpoints that restore moved aside (.step_*.corrupt-*), when older than the "
             "grace period. Never removes a committed checkpoint. Reports what was removed "
-            "and the bytes freed.",
+            "and the bytes freed. Given a durable tier URL, remove its orphan objects "
+            "(uploads cut short, lost commit races) older than the grace period.",
             width=79,
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("run", metavar="RUN", help="run directory")
+    parser.add_argument(
+        "run", metavar="RUN", help="run directory, or a durable tier URL (s3://bucket/prefix)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     parser.add_argument(
         "--grace",
         type=_duration,
-        default=3600.0,
+        default=DEFAULT_GRACE,
         metavar="DURATION",
-        help="remove only entries whose newest file is older than this: 30m, 1h, 2d, 0s "
-        "(default 1h)",
+        help="remove only entries whose newest file (or object) is older than this: 30m, 1h, "
+        "2d, 0s (default 1h)",
     )
     parser.add_argument(
         "--corrupt",
@@ -121,6 +150,20 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
+    if is_url(args.run):
+        for flag, given in (("--corrupt", args.corrupt), ("--force", args.force)):
+            if given:
+                raise UsageError(
+                    f"{flag} applies to a run directory, not to a durable tier URL "
+                    f"({redact_url(args.run)}); "
+                    "for a URL gc removes only orphans older than --grace"
+                )
+        report = collect_store_garbage(open_tier(args.run), grace=args.grace, dry_run=args.dry_run)
+        if args.json:
+            out.write(json.dumps(report, indent=2, allow_nan=True) + "\n")
+        else:
+            _render_store(report, out)
+        return EXIT_OK if report["ok"] else EXIT_BAD
     directory = existing_dir(args.run)
     if classify(directory) == "checkpoint":
         raise UsageError(
@@ -276,6 +319,94 @@ def _sweep(path: Path, grace: float, corrupt: bool, dry_run: bool) -> dict[str, 
     return entry
 
 
+def collect_store_garbage(tier: DurableTier, *, grace: float, dry_run: bool) -> dict[str, Any]:
+    """Remove the tier's orphans older than ``grace`` (or only list them) and return the report.
+
+    ``DurableTier.orphans`` decides what no committed manifest refers to. Its
+    objects are grouped by data directory (``step_N/data-<h>/``; loose objects by
+    step prefix), and a group is removed only when its newest object is past the
+    grace period: the oldest objects of an upload still in progress may be older
+    than that, but not its newest.
+    """
+    now = time.time()
+    try:
+        committed = set(tier.committed_steps())
+        orphans = tier.orphans(older_than=0.0, now=now)
+    except (DurableStoreError, FileNotFoundError) as exc:
+        raise store_error(exc) from None
+    groups: dict[str, list[Any]] = {}
+    for obj in orphans:
+        parts = obj.key.split("/")
+        prefix = "/".join(parts[:2]) + "/" if len(parts) > 2 else parts[0] + "/"
+        groups.setdefault(prefix, []).append(obj)
+    entries = [
+        _sweep_store(tier, prefix, objs, committed, grace, now, dry_run)
+        for prefix, objs in sorted(groups.items())
+    ]
+    removed = [e for e in entries if e["action"] in ("removed", "would remove")]
+    return {
+        "url": tier.url,
+        "dry_run": dry_run,
+        "grace_s": grace,
+        "ok": not any(e["error"] for e in entries),
+        "removed": len(removed),
+        "objects_removed": sum(e["objects"] for e in removed),
+        "bytes_freed": sum(e["bytes_freed"] for e in entries),
+        "committed_steps": len(committed),
+        "entries": entries,
+    }
+
+
+def _sweep_store(
+    tier: DurableTier,
+    prefix: str,
+    objects: list[Any],
+    committed: set[int],
+    grace: float,
+    now: float,
+    dry_run: bool,
+) -> dict[str, Any]:
+    m = re.match(r"^step_(\d+)/", prefix)
+    step = None if m is None else int(m.group(1))
+    size = sum(o.size for o in objects)
+    age = now - max(o.modified for o in objects)
+    entry: dict[str, Any] = {
+        "name": prefix,
+        "path": f"{tier.url}/{prefix}",
+        "step": step,
+        "kind": "unreferenced" if step in committed else "incomplete",
+        "age_s": age,
+        "objects": len(objects),
+        "bytes": size,
+        "action": "kept",
+        "reason": (
+            "not the data of the committed manifest: a lost commit race or a failed attempt"
+            if step in committed
+            else "no MANIFEST.json: an upload cut short (or in progress), or an interrupted "
+            "deletion"
+        ),
+        "bytes_freed": 0,
+        "error": None,
+        "keys": sorted(o.key for o in objects),
+    }
+    if age < grace:
+        entry["reason"] = (
+            f"younger than the grace period ({_age(age)} < {_age(grace)}): "
+            "possibly an upload in progress"
+        )
+        return entry
+    if dry_run:
+        entry.update(action="would remove", bytes_freed=size)
+        return entry
+    try:
+        tier.remove(entry["keys"])
+    except (DurableStoreError, FileNotFoundError) as exc:
+        entry.update(action="failed", error=str(exc))
+        return entry
+    entry.update(action="removed", bytes_freed=size)
+    return entry
+
+
 def _age(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f}s"
@@ -328,6 +459,47 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
         f"{verb} {report['removed']} entries, {format_bytes(report['bytes_freed'])}"
         f"{' to free' if report['dry_run'] else ' freed'}; {committed} committed "
         "checkpoints untouched",
+        markup=False,
+        soft_wrap=True,
+    )
+
+
+def _render_store(report: dict[str, Any], out: TextIO) -> None:
+    console = make_console(out)
+    console.print(
+        f"durable tier {report['url']}: orphans older than {_age(report['grace_s'])}",
+        markup=False,
+        soft_wrap=True,
+    )
+    if report["entries"]:
+        table = new_table(
+            "prefix",
+            "kind",
+            "age",
+            "objects",
+            "size",
+            "action",
+            right=("age", "objects", "size"),
+            wrap=("action",),
+        )
+        for e in report["entries"]:
+            action = Text(e["action"], style=_ACTION_STYLE.get(e["action"], ""))
+            if e["action"] == "kept" or e["error"]:
+                action.append(f": {e['error'] or e['reason']}")
+            table.add_row(
+                Text(e["name"]),
+                e["kind"],
+                _age(e["age_s"]),
+                str(e["objects"]),
+                format_bytes(e["bytes"]),
+                action,
+            )
+        console.print(table)
+    verb = "would remove" if report["dry_run"] else "removed"
+    console.print(
+        f"{verb} {report['removed']} entries ({report['objects_removed']} objects), "
+        f"{format_bytes(report['bytes_freed'])}{' to free' if report['dry_run'] else ' freed'}; "
+        f"{report['committed_steps']} committed steps untouched",
         markup=False,
         soft_wrap=True,
     )

@@ -1,8 +1,13 @@
-"""``stalwart ls RUN``: every checkpoint of a run, committed or not, with its state and cost."""
+"""``stalwart ls RUN|URL``: every checkpoint of a run, committed or not, with its state and cost.
+
+For a run with a durable tier, ``events.jsonl`` also says which steps reached it;
+given a URL, ``ls`` lists the durable tier itself.
+"""
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import textwrap
 from pathlib import Path
@@ -13,6 +18,7 @@ from rich.text import Text
 from stalwart.cli.common import (
     EXIT_BAD,
     EXIT_OK,
+    DurableHistory,
     Problem,
     RunHistory,
     UsageError,
@@ -25,18 +31,25 @@ from stalwart.cli.common import (
     format_mapping,
     format_seconds,
     format_time,
+    is_url,
     iso_utc,
     load_manifest,
     make_console,
     new_table,
+    open_tier,
     progress_bar,
     read_history,
     scan,
+    store_error,
 )
+from stalwart.errors import CheckpointCorruptError, DurableStoreError, UnsupportedFormatError
 from stalwart.manifest import MANIFEST_NAME, Manifest
 from stalwart.storage.base import StepEntry
+from stalwart.storage.durable import DurableTier, RemoteStep, data_dir_name
+from stalwart.storage.local import step_dir_name
+from stalwart.storage.remote import redact_url
 
-__all__ = ["add_parser", "list_run", "run"]
+__all__ = ["add_parser", "list_run", "list_store", "run"]
 
 EPILOG = """\
 statuses:
@@ -47,10 +60,21 @@ statuses:
   corrupt     a committed checkpoint that fails the check above, or one that restore
               moved aside (.step_*.corrupt-*) after it failed verification
 
+durable tier:
+  For a run whose manager has durable=URL, the "durable" column says whether a
+  step reached the durable tier (uploaded, and not deleted by durable retention,
+  according to events.jsonl), and the summary names the newest durable step, its
+  upload lag, and the committed steps not yet durable.
+  RUN may also be the URL itself (s3://bucket/prefix, gs://..., az://...,
+  file:///...): ls then lists the store, committed steps (checked: each data
+  object exists with the manifest's size) and incomplete uploads (no
+  MANIFEST.json yet). Credentials come from the environment (AWS_*, ...).
+
 exit status:
   0  the run was listed and no committed checkpoint failed its check
   1  a committed checkpoint failed the size check (or, with --verify, the checksum)
-  2  usage error: RUN is missing, is a file, or is not a run directory
+  2  usage error: RUN is missing, is a file, or is not a run directory; the store
+     at URL cannot be listed (missing bucket, denied access, unreachable)
 """
 
 
@@ -60,15 +84,19 @@ def add_parser(subparsers: Any) -> None:
         help="list the checkpoints of a run",
         description=textwrap.fill(
             "List every checkpoint of a run directory, oldest step first: status, "
-            "creation time, size, world size, metrics and save timings (from events.jsonl). "
-            "Without --verify only sizes are checked, which reads no file content.",
+            "creation time, size, world size, metrics, save timings (from events.jsonl) "
+            "and whether it reached the durable tier. Without --verify only sizes are "
+            "checked, which reads no file content. Given a URL, list the durable tier there.",
             width=79,
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "run", metavar="RUN", help="run directory (the one given to CheckpointManager)"
+        "run",
+        metavar="RUN",
+        help="run directory (the one given to CheckpointManager), or a durable tier URL "
+        "(s3://bucket/prefix)",
     )
     parser.add_argument(
         "--verify",
@@ -80,6 +108,20 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
+    if is_url(args.run):
+        if args.verify:
+            raise UsageError(
+                f"--verify checksums local files and is not available for a URL "
+                f"({redact_url(args.run)}); "
+                "ls checks that every object has its manifest's size, and a restore checks the "
+                "checksums of what it downloads"
+            )
+        report = list_store(open_tier(args.run))
+        if args.json:
+            out.write(json.dumps(report, indent=2, allow_nan=True) + "\n")
+        else:
+            _render_store(report, out)
+        return EXIT_BAD if report["counts"]["corrupt"] else EXIT_OK
     directory = existing_dir(args.run)
     if classify(directory) == "checkpoint":
         raise UsageError(
@@ -108,17 +150,184 @@ def list_run(run: Path, *, verify: bool, warn: TextIO) -> dict[str, Any]:
                 rows.append(_committed_row(entry, manifests[entry.name], verify, history, advance))
             else:
                 rows.append(_other_row(entry, history))
-    counts = {status: 0 for status in ("committed", "incomplete", "corrupt")}
+    durable = history.durable
     for row in rows:
-        counts[row["status"]] += 1
+        row["durable"] = (
+            None if durable.url is None or row["step"] is None else row["step"] in durable.steps
+        )
+    counts = _counts(rows)
     committed = [r["step"] for r in rows if r["status"] == "committed"]
     return {
         "run": str(run),
         "verified": verify,
         "latest_step": max(committed) if committed else None,
         "counts": counts,
+        "durable": _durable_summary(durable, committed, rows),
         "entries": rows,
     }
+
+
+def _counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    counts = {status: 0 for status in ("committed", "incomplete", "corrupt")}
+    for row in rows:
+        counts[row["status"]] += 1
+    return counts
+
+
+def _durable_summary(
+    durable: DurableHistory, committed: list[int], rows: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The ``durable`` object of the report: None when the run never had a durable tier."""
+    if durable.url is None:
+        return None
+    last = durable.last_step
+    upload = durable.upload_of(last) if last is not None else None
+    lag = upload.get("lag_s") if upload is not None else None
+    local = {r["step"] for r in rows if r["step"] is not None}
+    unreachable = durable.unreachable
+    return {
+        "url": durable.url,
+        "last_durable_step": last,
+        "lag_s": float(lag) if isinstance(lag, (int, float)) else None,
+        "uploaded": None if upload is None else _event_time(upload),
+        "durable_steps": sorted(durable.steps),
+        "not_durable_steps": sorted(s for s in committed if last is None or s > last),
+        "durable_only_steps": sorted(durable.steps - local),
+        "upload_failures": [
+            {
+                "step": f.get("step"),
+                "error": f.get("error"),
+                "will_retry": f.get("will_retry"),
+                "time": _event_time(f),
+            }
+            for f in durable.failures
+        ],
+        "unreachable": None
+        if unreachable is None
+        else {"error": unreachable.get("error"), "time": _event_time(unreachable)},
+        "behind_at_close": durable.behind,
+    }
+
+
+def _event_time(record: dict[str, Any]) -> str | None:
+    when = record.get("time")
+    return iso_utc(float(when)) if isinstance(when, (int, float)) else None
+
+
+# ----------------------------------------------------------------- the durable tier
+
+
+def list_store(tier: DurableTier) -> dict[str, Any]:
+    """The ``--json`` report of ``ls URL``: one entry per step prefix in the store.
+
+    One listing gives every object with its size; each committed step costs one
+    more GET (its manifest), fetched in parallel. No data object is read.
+    """
+    try:
+        steps = tier.scan()
+        committed = [s for s in steps if s.committed]
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=8, thread_name_prefix="stalwart-ls"
+        ) as pool:
+            blobs = list(pool.map(lambda s: _fetch(tier, s), committed))
+        manifests = {s.step: blob for s, blob in zip(committed, blobs, strict=True)}
+    except (DurableStoreError, FileNotFoundError) as exc:
+        raise store_error(exc) from None
+    rows = [_store_row(tier, s, manifests.get(s.step)) for s in steps]
+    counts = _counts(rows)
+    good = [r["step"] for r in rows if r["status"] == "committed"]
+    return {
+        "url": tier.url,
+        "verified": False,
+        "latest_step": max(good) if good else None,
+        "counts": counts,
+        "stored_bytes": sum(s.bytes for s in steps),
+        "entries": rows,
+    }
+
+
+def _fetch(tier: DurableTier, step: RemoteStep) -> bytes | None:
+    """The step's manifest bytes; None when it vanished since the listing (being deleted)."""
+    try:
+        return tier.manifest_bytes(step.step)
+    except FileNotFoundError:
+        return None
+
+
+def _store_row(tier: DurableTier, step: RemoteStep, blob: bytes | None) -> dict[str, Any]:
+    name = step_dir_name(step.step)
+    modified = step.modified or None
+    row: dict[str, Any] = {
+        "name": name,
+        "path": f"{tier.url}/{name}",
+        "step": step.step,
+        "status": "incomplete",
+        "checked": None,
+        "problems": [],
+        "created": None if modified is None else iso_utc(modified),
+        "created_unix": modified,
+        "bytes": step.bytes,
+        "files": len(step.objects),
+        "world_size": None,
+        "epoch": None,
+        "metrics": {},
+        "objects": len(step.objects),
+        "stored_bytes": step.bytes,
+    }
+    if not step.committed:
+        row["problems"] = [
+            {
+                "file": None,
+                "reason": f"no {MANIFEST_NAME}: an upload in progress or cut short; never "
+                "restored (gc removes it once older than the grace period)",
+            }
+        ]
+        return row
+    if blob is None:
+        row["problems"] = [
+            {"file": MANIFEST_NAME, "reason": "deleted while listing: the step is being removed"}
+        ]
+        return row
+    row.update(status="committed", checked="size")
+    source = f"{tier.url}/{name}/{MANIFEST_NAME}"
+    try:
+        manifest = Manifest.from_json(blob, source=source)
+    except (CheckpointCorruptError, UnsupportedFormatError) as exc:
+        reason = str(exc).removeprefix(source).lstrip(": ")
+        row.update(status="corrupt", problems=[{"file": MANIFEST_NAME, "reason": reason}])
+        return row
+    _fill_from_manifest(row, manifest)
+    problems = _store_problems(step, manifest, data_dir_name(blob))
+    if manifest.step != step.step:
+        problems.append(
+            Problem(
+                file=MANIFEST_NAME, reason=f"records step {manifest.step}, but the prefix is {name}"
+            )
+        )
+    if problems:
+        row.update(status="corrupt", problems=[p.to_dict() for p in problems])
+    return row
+
+
+def _store_problems(step: RemoteStep, manifest: Manifest, data: str) -> list[Problem]:
+    """Every file of ``manifest`` whose object is missing or has another size."""
+    prefix = f"{step_dir_name(step.step)}/{data}/"
+    sizes = {o.key[len(prefix) :]: o.size for o in step.objects if o.key.startswith(prefix)}
+    problems = []
+    for entry in manifest.files:
+        size = sizes.get(entry.path)
+        if size is None:
+            problems.append(
+                Problem(file=entry.path, reason=f"missing: no object {prefix}{entry.path}")
+            )
+        elif size != entry.size:
+            problems.append(
+                Problem(
+                    file=entry.path,
+                    reason=f"size mismatch (object has {size} bytes, manifest says {entry.size})",
+                )
+            )
+    return problems
 
 
 def _base_row(entry: StepEntry, history: RunHistory) -> dict[str, Any]:
@@ -230,13 +439,17 @@ _STATUS_STYLE = {"committed": "green", "incomplete": "yellow", "corrupt": "bold 
 def _render(report: dict[str, Any], out: TextIO) -> None:
     console = make_console(out)
     entries = report["entries"]
+    durable = report["durable"]
     if not entries:
         console.print(f"{report['run']}: no checkpoints", markup=False, soft_wrap=True)
+        if durable is not None:
+            for line in _durable_lines(durable):
+                console.print(line, markup=False, soft_wrap=True)
         return
     console.print(f"run {report['run']}", markup=False, soft_wrap=True)
+    columns = ["step", "status", "durable"] if durable is not None else ["step", "status"]
     table = new_table(
-        "step",
-        "status",
+        *columns,
         "created",
         "size",
         "files",
@@ -249,9 +462,14 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
     )
     for e in entries:
         timings = e["timings"] or {}
-        table.add_row(
+        cells: list[str | Text] = [
             "-" if e["step"] is None else str(e["step"]),
             Text(e["status"], style=_STATUS_STYLE[e["status"]]),
+        ]
+        if durable is not None:
+            cells.append(_DURABLE_MARK[e["durable"]])
+        table.add_row(
+            *cells,
             format_time(e["created_unix"]),
             format_bytes(e["bytes"]),
             "-" if e["files"] is None else str(e["files"]),
@@ -261,10 +479,31 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
             Text(format_mapping(e["metrics"])),
         )
     console.print(table)
+    _print_problems(console, entries)
+    _print_counts(console, report)
+    if durable is not None:
+        for line in _durable_lines(durable):
+            console.print(line, markup=False, soft_wrap=True)
+    console.print(
+        "checked: sizes and checksums"
+        if report["verified"]
+        else "checked: sizes only (use --verify to checksum every file)",
+        markup=False,
+        soft_wrap=True,
+    )
+
+
+_DURABLE_MARK = {True: "yes", False: "no", None: "-"}
+
+
+def _print_problems(console: Any, entries: list[dict[str, Any]]) -> None:
     for e in entries:
         for p in e["problems"]:
             where = e["name"] if p["file"] is None else f"{e['name']}/{p['file']}"
             console.print(f"{where}: {p['reason']}", markup=False, soft_wrap=True)
+
+
+def _print_counts(console: Any, report: dict[str, Any]) -> None:
     counts = report["counts"]
     latest = report["latest_step"]
     console.print(
@@ -274,10 +513,81 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
         markup=False,
         soft_wrap=True,
     )
+
+
+def _steps(steps: list[int], limit: int = 10) -> str:
+    shown = ", ".join(map(str, steps[-limit:]))
+    return shown if len(steps) <= limit else f"..., {shown}"
+
+
+def _durable_lines(durable: dict[str, Any]) -> list[str]:
+    """The summary of the durable tier under the table, one fact a line."""
+    last = durable["last_durable_step"]
+    if last is None:
+        head = f"durable tier {durable['url']}: no step uploaded yet"
+    else:
+        lag = durable["lag_s"]
+        head = f"durable tier {durable['url']}: newest durable step {last}" + (
+            "" if lag is None else f" (uploaded {format_seconds(lag)} after its commit)"
+        )
+    pending = durable["not_durable_steps"]
+    lines = [
+        head
+        + f"; {len(pending)} committed step{'' if len(pending) == 1 else 's'} not yet durable"
+        + (f" ({_steps(pending)})" if pending else "")
+    ]
+    if durable["durable_only_steps"]:
+        lines.append(
+            "durable only (no longer on local disk): " + _steps(durable["durable_only_steps"])
+        )
+    for f in durable["upload_failures"]:
+        retry = "will retry" if f["will_retry"] else "gave up"
+        lines.append(f"upload of step {f['step']} failed ({retry}): {f['error']}")
+    if durable["unreachable"] is not None:
+        u = durable["unreachable"]
+        lines.append(f"durable tier unreachable at {u['time'] or '?'}: {u['error']}")
+    if durable["behind_at_close"]:
+        lines.append(
+            "not uploaded when the manager closed (the next run uploads them): "
+            + _steps(durable["behind_at_close"])
+        )
+    return lines
+
+
+def _render_store(report: dict[str, Any], out: TextIO) -> None:
+    console = make_console(out)
+    entries = report["entries"]
+    if not entries:
+        console.print(f"{report['url']}: no checkpoints", markup=False, soft_wrap=True)
+        return
+    console.print(f"durable tier {report['url']}", markup=False, soft_wrap=True)
+    table = new_table(
+        "step",
+        "status",
+        "created",
+        "size",
+        "objects",
+        "world",
+        "metrics",
+        right=("step", "size", "objects", "world"),
+        wrap=("created", "metrics"),
+    )
+    for e in entries:
+        table.add_row(
+            str(e["step"]),
+            Text(e["status"], style=_STATUS_STYLE[e["status"]]),
+            format_time(e["created_unix"]),
+            format_bytes(e["bytes"]),
+            str(e["objects"]),
+            "-" if e["world_size"] is None else str(e["world_size"]),
+            Text(format_mapping(e["metrics"])),
+        )
+    console.print(table)
+    _print_problems(console, entries)
+    _print_counts(console, report)
     console.print(
-        "checked: sizes and checksums"
-        if report["verified"]
-        else "checked: sizes only (use --verify to checksum every file)",
+        f"stored: {format_bytes(report['stored_bytes'])}; checked: every object's size "
+        "(a restore checksums what it downloads)",
         markup=False,
         soft_wrap=True,
     )

@@ -224,6 +224,12 @@ class DurableTier:
         try:
             self._parallel(put_file, manifest.files)
             self._retrying(
+                lambda: self._check_data(data, manifest),
+                f"check {data} in {self.url}",
+                should_stop,
+                on_retry,
+            )
+            self._retrying(
                 lambda: self.client.put_bytes(manifest_key, manifest_bytes, create_only=True),
                 f"commit {manifest_key} to {self.url}",
                 should_stop,
@@ -243,6 +249,24 @@ class DurableTier:
             time.perf_counter() - t0,
             self._retries - retries_before,
         )
+
+    def _check_data(self, data: str, manifest: Manifest) -> None:
+        """Every data object is there with its size, just before the manifest makes it visible.
+
+        An upload that ran longer than gc's grace period could have lost objects
+        to a gc that took them for an abandoned attempt; committing then would
+        publish a checkpoint with holes. Raises a transient error so the upload
+        is redone.
+        """
+        sizes = {o.key: o.size for o in self.client.list_objects(data + "/")}
+        for entry in manifest.files:
+            key = f"{data}/{entry.path}"
+            if sizes.get(key) != entry.size:
+                raise DurableStoreError(
+                    f"{self.url}/{key} is missing or has the wrong size just before the commit "
+                    f"(found {sizes.get(key)}, expected {entry.size}); uploading again",
+                    transient=True,
+                )
 
     def _committed_as(
         self,
@@ -397,12 +421,17 @@ class DurableTier:
                 except FileNotFoundError:
                     live = None
             prefix = step_dir_name(entry.step)
+            groups: dict[str, list[Any]] = {}
             for obj in entry.objects:
                 rel = obj.key[len(prefix) + 1 :]
                 if entry.committed and (rel == MANIFEST_NAME or rel.split("/", 1)[0] == live):
                     continue
-                if now - obj.modified >= older_than:
-                    found.append(obj)
+                groups.setdefault(rel.split("/", 1)[0], []).append(obj)
+            # One attempt's objects go together, judged by its newest: an upload in
+            # progress whose first objects are old is not partly removed.
+            for objs in groups.values():
+                if now - max(o.modified for o in objs) >= older_than:
+                    found.extend(objs)
         return found
 
     def remove(self, keys: list[str]) -> None:

@@ -171,9 +171,18 @@ def _join(prefix: str, key: str) -> str:
 
 
 def _short(exc: BaseException) -> str:
-    """The first line of an error message: client libraries append multi-line debug dumps."""
+    """The first line of an error message, without a trailing XML body.
+
+    Client libraries append multi-line debug dumps and the start of the store's
+    XML error document; the S3 error code is kept.
+    """
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    line = text[0] if text else type(exc).__name__
+    head, sep, _xml = line.partition("<?xml")
+    if sep:
+        code = re.search(r"<Code>([^<]+)</Code>", str(exc))
+        line = head.rstrip(": ") + (f" ({code.group(1)})" if code else "")
+    return line
 
 
 def with_retries(
