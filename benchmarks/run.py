@@ -1,11 +1,14 @@
 """Benchmark stalwart's checkpointing against its peers and the machine's physical limits.
 
     .venv/bin/python benchmarks/run.py            # full: ~64 MiB, 256 MiB, 1 GiB states
-    .venv/bin/python benchmarks/run.py --quick    # ~16 MiB and ~64 MiB, under a minute
+    .venv/bin/python benchmarks/run.py --quick    # ~16 MiB and ~64 MiB, about a minute
 
 Writes ``<out>/<name>.md``, ``<name>.json`` and ``<name>.png`` (the plot needs
 matplotlib and is skipped with a message without it) and prints the markdown.
-See docs/benchmarks.md for what each column means.
+Then runs ``durable.py`` (the durable tier against a local S3 server), which
+writes ``<out>/durable.md`` and ``durable.json`` (``durable-<name>`` for any
+other name than ``full``); its ratio table, or why it did not run, ends the
+markdown. See docs/benchmarks.md for what each column means.
 
 Every measurement runs in its own process, forked from a server that has only
 imported torch and stalwart (multiprocessing's ``forkserver``), so one method's
@@ -26,6 +29,7 @@ import platform
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,7 +76,9 @@ def size_label(nbytes: int) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small sizes, one repeat: under a minute")
+    p.add_argument(
+        "--quick", action="store_true", help="small sizes, fewer repeats: about a minute"
+    )
     p.add_argument(
         "--sizes",
         type=lambda s: [parse_size(x) for x in s.split(",")],
@@ -108,6 +114,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "core, and a training step leaves no core to a background save; 0 keeps torch's default)",
     )
     p.add_argument("--no-train", action="store_true", help="skip the training-loop overhead part")
+    p.add_argument(
+        "--no-durable", action="store_true", help="skip the durable tier (benchmarks/durable.py)"
+    )
+    p.add_argument(
+        "--durable-timeout",
+        type=float,
+        help="seconds for the whole durable-tier benchmark (default 1200; quick: 180)",
+    )
     p.add_argument("--out", type=Path, default=HERE / "results", help="output directory")
     p.add_argument("--name", help="output file stem (default: quick or full)")
     p.add_argument("--workdir", help="where checkpoints are written (default: the system temp dir)")
@@ -125,6 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rounds = args.rounds or (2 if args.quick else 4)
     args.name = args.name or ("quick" if args.quick else "full")
     args.timeout = args.timeout or (60.0 if args.quick else 600.0)
+    args.durable_timeout = args.durable_timeout or (180.0 if args.quick else 1200.0)
     if min(args.repeats, args.rounds, args.segment_saves, *args.every) < 1:
         p.error("--repeats, --every, --segment-saves and --rounds must be at least 1")
     return args
@@ -299,11 +314,21 @@ def main(argv: list[str] | None = None) -> int:
             }
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    durable_md = ""
+    if not args.no_durable:
+        durable_name = "durable" if args.name == "full" else f"durable-{args.name}"
+        durable_results = run_durable(args, out_dir, durable_name)
+        results["durable"] = {
+            "name": durable_name,
+            "error": durable_results.get("error"),
+            "elapsed_s": durable_results.get("meta", {}).get("elapsed_s"),
+        }
+        durable_md = durable_section(durable_results, durable_name)
     meta["elapsed_s"] = round(time.perf_counter() - started, 1)
     meta["loadavg_end"] = round(os.getloadavg()[0], 2)
 
     report.analyze(results)
-    md = report.markdown(results)
+    md = report.markdown(results) + durable_md
     stem = out_dir / args.name
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     stem.with_suffix(".md").write_text(md, encoding="utf-8")
@@ -311,6 +336,47 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     print(f"wrote {stem}.md, {stem}.json; {plot_note}", file=sys.stderr)
     return 0
+
+
+def run_durable(args: argparse.Namespace, out_dir: Path, name: str) -> dict[str, Any]:
+    """Run durable.py in a process of its own; its results, or ``{"error": why}``.
+
+    A process of its own keeps the S3 server's clients and their threads out of
+    this one, and lets a hung transfer be stopped: SIGTERM first, so the
+    benchmark stops its server and deletes the server's data on the way out.
+    """
+    print("durable tier (benchmarks/durable.py):", file=sys.stderr, flush=True)
+    command = [sys.executable, str(HERE / "durable.py"), "--out", str(out_dir), "--name", name]
+    command += ["--quick"] if args.quick else []
+    command += ["--workdir", args.workdir] if args.workdir else []
+    result_path = out_dir / f"{name}.json"
+    result_path.unlink(missing_ok=True)  # an earlier run's file must not pass for this run's
+    # stdout is the markdown, which this run prints in its own report; progress goes to stderr.
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    try:
+        proc.wait(args.durable_timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # our own child, by its pid
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return {"error": f"durable.py did not finish within {args.durable_timeout:.0f} s"}
+    if result_path.exists():
+        results: dict[str, Any] = json.loads(result_path.read_text(encoding="utf-8"))
+        return results
+    return {"error": f"durable.py exited with code {proc.returncode} and wrote no results"}
+
+
+def durable_section(results: dict[str, Any], name: str) -> str:
+    """The durable tier's ratio table for this run's markdown, or why it is missing."""
+    import durable  # its top level imports no torch
+
+    table = durable.summary_markdown(results)
+    if "meta" in results and not results.get("error"):
+        table += f"\nAll durable-tier tables: `{name}.md` next to this file.\n"
+    return table
 
 
 def filesystem_of(path: Path) -> str:

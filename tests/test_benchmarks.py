@@ -33,6 +33,9 @@ REFERENCES = (
     "raw_read_warm_s",
 )
 TRAIN_VARIANTS = ("stalwart_sync", "stalwart_async", "torch_save")
+DURABLE_BACKENDS = ("obstore", "fsspec")
+DURABLE_OPS = ("stalwart_upload", "raw_put", "stalwart_download", "raw_get", "raw_get_to_disk")
+DURABLE_RATIOS = ("upload_x_raw_put", "download_x_raw_get", "download_x_raw_get_to_disk")
 
 
 def positive(value: object) -> bool:
@@ -56,7 +59,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=240,  # about 35 s on 2 busy cores; the margin is for a loaded CI host
+        timeout=300,  # about 50 s on 2 busy cores, 12 s of it the durable tier; margin for CI
         check=False,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
@@ -112,3 +115,56 @@ def test_quick_mode_writes_markdown_json_and_plot(quick_run: tuple[Path, dict]) 
     assert statuses <= {"PASS", "MISS", "N/A"} and len(results["targets"]) >= 9
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "quick.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_quick_mode_measures_the_durable_tier_with_both_backends(
+    quick_run: tuple[Path, dict],
+) -> None:
+    out, results = quick_run
+    assert results["durable"] == {
+        "name": "durable-quick",
+        "error": None,
+        "elapsed_s": results["durable"]["elapsed_s"],
+    }
+    durable = json.loads((out / "durable-quick.json").read_text(encoding="utf-8"))
+    assert durable["error"] is None
+    assert len(durable["sizes"]) == 1
+    for entry in durable["sizes"]:
+        assert set(entry["backends"]) == set(DURABLE_BACKENDS)
+        for backend, result in entry["backends"].items():
+            assert "error" not in result, f"{backend}: {result.get('error')}"
+            for op in DURABLE_OPS:
+                m = result["ops"][op]
+                assert positive(m["seconds"]) and positive(m["mb_s"]), (backend, op, m)
+                assert len(m["samples"]) == durable["meta"]["repeats"]
+            for key in DURABLE_RATIOS:
+                assert positive(result["ratios"][key]), (backend, key, result["ratios"])
+        for op in DURABLE_OPS:
+            assert positive(entry["obstore_over_fsspec"][op]), (op, entry["obstore_over_fsspec"])
+    md = (out / "durable-quick.md").read_text(encoding="utf-8")
+    assert durable["meta"]["command"] in md and "obstore ÷ fsspec" in md
+    assert "Durable tier: throughput ratios" in (out / "quick.md").read_text(encoding="utf-8")
+
+
+def test_durable_benchmark_says_so_when_the_s3_server_does_not_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import run
+
+    import durable
+
+    def no_server() -> None:
+        raise RuntimeError("SeaweedFS binary 'weed' not found")
+
+    monkeypatch.setattr(durable, "start_server", no_server)
+    rc = durable.main(["--quick", "--out", str(tmp_path), "--workdir", str(tmp_path)])
+    assert rc == 1
+    results = json.loads((tmp_path / "durable-quick.json").read_text(encoding="utf-8"))
+    assert "did not start" in results["error"] and "weed' not found" in results["error"]
+    assert results["sizes"] == []
+    md = (tmp_path / "durable-quick.md").read_text(encoding="utf-8")
+    assert "Durable tier: not measured" in md and "weed' not found" in md
+    section = run.durable_section(results, "durable-quick")
+    assert "not measured" in section and "weed' not found" in section

@@ -130,7 +130,7 @@ class ObjectClient(Protocol):
 
     def get_bytes(self, key: str) -> bytes: ...
 
-    def get_range(self, key: str, start: int, end: int) -> bytes: ...
+    def get_range(self, key: str, start: int, end: int) -> bytes | memoryview: ...
 
     def list_objects(self, prefix: str = "") -> list[ObjectInfo]: ...
 
@@ -355,10 +355,11 @@ class ObstoreClient:
             f"get {key} from", lambda: bytes(self._obstore.get(self._store, key).bytes())
         )
 
-    def get_range(self, key: str, start: int, end: int) -> bytes:
+    def get_range(self, key: str, start: int, end: int) -> bytes | memoryview:
+        # obstore's buffer, not a copy of it: the caller writes it straight to disk.
         return self._call(
             f"get {key} [{start}:{end}] from",
-            lambda: bytes(self._obstore.get_range(self._store, key, start=start, end=end)),
+            lambda: memoryview(self._obstore.get_range(self._store, key, start=start, end=end)),
         )
 
     def list_objects(self, prefix: str = "") -> list[ObjectInfo]:
