@@ -315,3 +315,22 @@ def test_scheduler_state_with_empty_containers_round_trips(tmp_path):
         assert ckpt.restore(state2, strict=False) == 3
     assert sched2.state_dict() == sched.state_dict()
     assert extra2 == {"empty": {}}
+
+
+def test_a_save_leaves_torch_save_crc_setting_as_it_was(tmp_path):
+    config = pytest.importorskip("torch.utils.serialization").config
+    parts = make_parts()
+    assert config.save.compute_crc32 is True
+    with stalwart.CheckpointManager(tmp_path / "run", async_save=True) as ckpt:
+        ckpt.save(1, parts.state)
+        ckpt.wait()
+        assert config.save.compute_crc32 is True
+        config.save.compute_crc32 = False  # the user's own choice is kept too
+        try:
+            ckpt.save(2, parts.state)
+            ckpt.wait()
+            assert config.save.compute_crc32 is False
+        finally:
+            config.save.compute_crc32 = True
+        fresh = make_parts()
+        assert ckpt.restore(fresh.state) == 2
