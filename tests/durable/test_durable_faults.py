@@ -85,6 +85,10 @@ def test_with_30_percent_of_requests_failing_every_checkpoint_becomes_durable(
     stalls = [e["stall_s"] for e in events if e["event"] == "save"]
     upload_s = [e["seconds"] for e in uploads]
     # Training waited only for the staging copy, never for the network.
+    print(
+        f"faults {dict(fault_proxy.failures)} of {fault_proxy.requests} requests; "
+        f"stall max {max(stalls) * 1e3:.1f} ms, upload median {statistics.median(upload_s) * 1e3:.0f} ms"
+    )
     assert max(stalls) < statistics.median(upload_s), (stalls, upload_s)
     assert not [e for e in events if e["event"] == "upload_failed" and not e["will_retry"]]
 
