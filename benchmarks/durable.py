@@ -614,9 +614,12 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = run(args)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        results = run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     md = markdown(results)
     stem = args.out / args.name
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
