@@ -32,6 +32,29 @@ def test_staging_reuses_its_buffers_between_saves() -> None:
     assert area.nbytes == 8 * 4
 
 
+def test_staged_copies_are_detached_exact_and_independent_of_the_source() -> None:
+    area = StagingArea()
+    weight = torch.nn.Parameter(torch.randn(32, 32))
+    ids = list(range(300))
+    sd = {
+        "w": weight,
+        "t": torch.arange(10, dtype=torch.int64)[::2],  # a strided view
+        "rng": (3, tuple(range(625)), None),
+        "groups": [{"params": ids, "lr": 0.1}],
+    }
+    staged = area.stage(sd)
+    assert torch.equal(staged["w"], weight) and not staged["w"].requires_grad
+    assert staged["w"].grad_fn is None and weight.grad_fn is None  # nothing recorded
+    assert torch.equal(staged["t"], sd["t"]) and staged["t"].is_contiguous()
+    assert staged["rng"] == sd["rng"] and staged["groups"] == sd["groups"]
+    with torch.no_grad():
+        weight.add_(1.0)
+    ids.append(300)
+    sd["groups"][0]["lr"] = 0.2
+    assert not torch.equal(staged["w"], weight)  # a copy, not a view
+    assert staged["groups"][0]["params"] == list(range(300)) and staged["groups"][0]["lr"] == 0.1
+
+
 def test_peak_memory_does_not_grow_over_100_async_saves(tmp_path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
     opt = torch.optim.AdamW(model.parameters())

@@ -132,6 +132,9 @@ class SaveResult:
 # --------------------------------------------------------------------------- save
 
 
+_ATOMIC = frozenset({int, float, bool, str, bytes, type(None)})
+
+
 class StagingArea:
     """Reusable CPU buffers that hold one staged copy of the state for an async save.
 
@@ -155,27 +158,42 @@ class StagingArea:
         """Copy ``state_dict`` into the buffers; returns the staged state dict."""
         used: set[tuple[Any, ...]] = set()
         cuda_copies = False
+        # CPU-to-CPU copies are batched into one foreach call: 192 single copy_
+        # calls cost about 1 ms of dispatch at 64 MiB.
+        cpu_dst: list[torch.Tensor] = []
+        cpu_src: list[torch.Tensor] = []
 
         def buffer_for(path: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
             nonlocal cuda_copies
             on_gpu = t.device.type == "cuda"
-            key = (path, tuple(t.shape), t.dtype)
+            key = (path, t.shape, t.dtype)
             buf = self._buffers.get(key)
             if buf is None:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)
                 self._buffers[key] = buf
             used.add(key)
-            buf.copy_(t, non_blocking=on_gpu)
-            cuda_copies |= on_gpu
+            if on_gpu:
+                buf.copy_(t, non_blocking=True)
+                cuda_copies = True
+            elif t.device.type == "cpu" and t.layout == torch.strided:
+                cpu_dst.append(buf)
+                cpu_src.append(t)
+            else:
+                buf.copy_(t)
             return buf
 
         def copy_value(path: tuple[Any, ...], value: Any) -> Any:
+            kind = type(value)
+            if kind in _ATOMIC:
+                return value  # immutable: nothing to copy
+            if kind is list and all(type(v) in _ATOMIC for v in value):
+                return list(value)  # e.g. the parameter ids of an optimizer's param_groups
             if isinstance(value, torch.Tensor):
                 if _is_dtensor(value):
                     # A sharded tensor keeps its layout: DCP needs it to write this
                     # rank's shard. Copy it whole (no buffer reuse for these).
                     return value.detach().to("cpu", copy=True)
-                return buffer_for(path, value.detach())
+                return buffer_for(path, value)
             if isinstance(value, Mapping):
                 return {k: copy_value((*path, k), v) for k, v in value.items()}
             if isinstance(value, list):
@@ -184,7 +202,10 @@ class StagingArea:
                 return tuple(copy_value((*path, i), v) for i, v in enumerate(value))
             return copy.deepcopy(value)
 
-        staged = copy_value((), state_dict)
+        with torch.no_grad():
+            staged = copy_value((), state_dict)
+            if cpu_dst:
+                torch._foreach_copy_(cpu_dst, cpu_src)
         for key in list(self._buffers):
             if key not in used:
                 del self._buffers[key]
@@ -199,12 +220,19 @@ def stage_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return StagingArea().stage(state_dict)
 
 
-def _is_dtensor(value: torch.Tensor) -> bool:
+def _dtensor_class() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(value, DTensor)
+    except ImportError:  # pragma: no cover - torch built without distributed tensors
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_class()
+
+
+def _is_dtensor(value: torch.Tensor) -> bool:
+    return _DTENSOR is not None and isinstance(value, _DTENSOR)
 
 
 def _owned(name: str, rank: int | None, leader: bool) -> bool:

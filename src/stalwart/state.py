@@ -324,6 +324,10 @@ class TrainState:
         return self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers
 
 
+_ATOMIC = frozenset({int, float, bool, str, bytes, type(None)})
+"""Leaf types whose containers need no per-element visit (exact types: no subclasses)."""
+
+
 def _blob(value: Any, where: str) -> tuple[Any]:
     """One section as a single DCP entry: DCP's traversal keeps a tuple whole."""
     _check_plain(value, where)
@@ -341,6 +345,8 @@ def _to_cpu(value: Any) -> Any:
         return value.detach().cpu() if value.device.type != "cpu" else value
     if isinstance(value, dict):
         return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and all(type(v) in _ATOMIC for v in value):
+        return list(value) if isinstance(value, list) else value
     if isinstance(value, list):
         return [_to_cpu(v) for v in value]
     if isinstance(value, tuple):
@@ -383,6 +389,8 @@ def _check_plain(sd: Any, prefix: str) -> None:
                 walk(v, f"{where}[{k!r}]")
             return
         if isinstance(value, (list, tuple)):
+            if all(type(v) in _ATOMIC for v in value):
+                return  # e.g. the 625 ints of random.getstate(): no per-element walk
             for i, v in enumerate(value):
                 walk(v, f"{where}[{i}]")
             return
