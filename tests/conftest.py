@@ -5,12 +5,14 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import stalwart
+from stalwart.cli.main import main
 
 
 @dataclass
@@ -88,3 +90,26 @@ def assert_same(a: object, b: object, where: str = "") -> None:
 @pytest.fixture
 def parts_factory() -> Callable[..., Parts]:
     return make_parts
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
+    """Run the ``stalwart`` CLI in-process: (exit code, stdout, stderr)."""
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(err: str, *fragments: str) -> None:
+    """A CLI error is one line, no traceback, and names what went wrong."""
+    assert err.startswith("stalwart: error: "), err
+    assert err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def flip_byte(path: Path, offset: int = 100) -> None:
+    """Invert one byte of a file in place."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))

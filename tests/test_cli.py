@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import stalwart
-from stalwart.cli.main import main
+
+from .conftest import assert_one_line_error, cli, flip_byte
 
 STAGING = ".step_000000030.tmp-abc123"
 
@@ -46,26 +47,6 @@ def pristine_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run(pristine_run: Path, tmp_path: Path) -> Path:
     """A private copy of the pristine run, free to damage."""
     return Path(shutil.copytree(pristine_run, tmp_path / "run", symlinks=True))
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def flip_byte(path: Path, offset: int = 100) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
-def assert_one_line_error(err: str, *fragments: str) -> None:
-    assert err.startswith("stalwart: error: "), err
-    assert err.count("\n") == 1, err
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in err, err
 
 
 # ----------------------------------------------------------------------------- ls

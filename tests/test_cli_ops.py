@@ -21,32 +21,13 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import stalwart
-from stalwart.cli.main import main
 from stalwart.export import export_checkpoint
 from stalwart.safe_load import read_dcp_metadata
 
+from .conftest import assert_one_line_error, cli, flip_byte
+
 WORKER = Path(__file__).parent / "distributed" / "worker.py"
 HOUR = 3600.0
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_one_line_error(err: str, *fragments: str) -> None:
-    assert err.startswith("stalwart: error: "), err
-    assert err.count("\n") == 1, err
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in err, err
-
-
-def flip_byte(path: Path, offset: int = 100) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def make_model() -> torch.nn.Module:

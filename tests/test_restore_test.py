@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import stalwart
-from stalwart.cli.main import main
+
+from .conftest import assert_one_line_error
+from .conftest import cli as run_cli
 
 FACTORY = """\
 import torch
@@ -100,17 +102,7 @@ def write_factory(directory: Path, name: str = "train_factory", *, hidden: int =
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = main(["restore-test", *(str(a) for a in argv)])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_one_line_error(err: str, *fragments: str) -> None:
-    assert err.startswith("stalwart: error: "), err
-    assert err.count("\n") == 1, err
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in err, err
+    return run_cli(capsys, "restore-test", *argv)
 
 
 def checks(report: dict) -> dict[str, str]:

@@ -8,11 +8,33 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from stalwart.events import read_events
+from stalwart.manifest import MANIFEST_NAME
+from stalwart.pipeline import verify_checkpoint
+from stalwart.storage.durable import DurableTier
+from stalwart.storage.remote import RetryPolicy
 from tests.support.faultproxy import FaultProxy
 from tests.support.s3server import S3Server
+
+FAST = RetryPolicy(initial_backoff=0.05, max_backoff=0.5, deadline=20.0, request_timeout=10.0)
+"""Retries for tests: short backoff, a deadline of seconds rather than minutes."""
+
+
+def run_events(run: Path) -> list[dict]:
+    """Every event a run recorded in its events.jsonl."""
+    return list(read_events(run))
+
+
+def verify_durable(tier: DurableTier, step: int, tmp: Path) -> None:
+    """Download ``step`` into a fresh directory under ``tmp`` and verify every file there."""
+    target = tmp / f"verify-{step}"
+    target.mkdir()
+    (target / MANIFEST_NAME).write_bytes(tier.download(step, target))
+    assert verify_checkpoint(target).step == step
 
 
 @pytest.fixture(scope="session")

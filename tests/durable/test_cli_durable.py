@@ -9,31 +9,14 @@ from pathlib import Path
 import pytest
 
 import stalwart
-from stalwart.cli.main import main
-from stalwart.manifest import MANIFEST_NAME
-from stalwart.pipeline import verify_checkpoint
 from stalwart.storage.durable import DurableTier
 from stalwart.storage.remote import RetryPolicy
 
-from ..conftest import make_parts, train_steps
+from ..conftest import assert_one_line_error, cli, make_parts, train_steps
+from .conftest import FAST, run_events, verify_durable
 
-FAST = RetryPolicy(initial_backoff=0.05, max_backoff=0.5, deadline=20.0, request_timeout=10.0)
 INCOMPLETE = "step_000000009/data-00000000000000aa/__0_0.distcp"
 STRAY = "step_000000006/data-00000000000000bb/__0_0.distcp"
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_one_line_error(err: str, *fragments: str) -> None:
-    assert err.startswith("stalwart: error: "), err
-    assert err.count("\n") == 1, err
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in err, err
 
 
 def rows(out: str) -> dict[str, list[str]]:
@@ -41,10 +24,6 @@ def rows(out: str) -> dict[str, list[str]]:
     return {
         line.split()[0]: line.split() for line in out.splitlines() if line.strip()[:1].isdigit()
     }
-
-
-def events(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
 
 
 def make_run(run: Path, url: str) -> None:
@@ -69,13 +48,6 @@ def make_run(run: Path, url: str) -> None:
         ckpt.save(7, parts.state)
 
 
-def verify_durable(tier: DurableTier, step: int, tmp: Path) -> None:
-    target = tmp / f"verify-{step}"
-    target.mkdir()
-    (target / MANIFEST_NAME).write_bytes(tier.download(step, target))
-    assert verify_checkpoint(target).step == step
-
-
 # ----------------------------------------------------------------------------- ls RUN
 
 
@@ -86,7 +58,7 @@ def test_ls_of_a_run_marks_durable_steps_and_the_ones_not_yet_durable(
     run = tmp_path / "run"
     make_run(run, url)
     assert DurableTier(url, retry=FAST).committed_steps() == [4, 6]
-    uploads = {e["step"]: e for e in events(run) if e["event"] == "upload"}
+    uploads = {e["step"]: e for e in run_events(run) if e["event"] == "upload"}
     assert sorted(uploads) == [2, 4, 6]
 
     code, out, err = cli(capsys, "ls", run, "--json")
@@ -160,8 +132,8 @@ def test_ls_of_a_run_reports_failing_uploads_while_the_store_is_down(
         fault_proxy.down = True
         ckpt.save(2, parts.state)
         deadline = time.monotonic() + 30
-        while not any(e["event"] == "upload_failed" for e in events(run)):
-            assert time.monotonic() < deadline, events(run)
+        while not any(e["event"] == "upload_failed" for e in run_events(run)):
+            assert time.monotonic() < deadline, run_events(run)
             time.sleep(0.1)
         # An operator looks while training goes on and the store is down.
         code, out, err = cli(capsys, "ls", run, "--json")

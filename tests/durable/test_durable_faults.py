@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -18,16 +17,11 @@ import stalwart
 from stalwart.manifest import MANIFEST_NAME
 from stalwart.pipeline import verify_checkpoint
 from stalwart.storage.durable import DurableTier
-from stalwart.storage.remote import RetryPolicy
 
 from ..conftest import make_parts, train_steps
+from .conftest import FAST, run_events, verify_durable
 
-FAST = RetryPolicy(initial_backoff=0.05, max_backoff=0.5, deadline=20.0, request_timeout=10.0)
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _events(directory: Path) -> list[dict]:
-    return [json.loads(line) for line in (directory / "events.jsonl").read_text().splitlines()]
 
 
 def _through(proxy, monkeypatch) -> None:
@@ -38,10 +32,7 @@ def _through(proxy, monkeypatch) -> None:
 def _verify_all(tier: DurableTier, tmp: Path) -> list[int]:
     steps = tier.committed_steps()
     for step in steps:
-        target = tmp / f"check-{step}"
-        target.mkdir()
-        (target / MANIFEST_NAME).write_bytes(tier.download(step, target))
-        assert verify_checkpoint(target).step == step
+        verify_durable(tier, step, tmp)
     return steps
 
 
@@ -76,7 +67,7 @@ def test_with_30_percent_of_requests_failing_every_checkpoint_becomes_durable(
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env["AWS_ENDPOINT_URL"])
     monkeypatch.setenv("AWS_ENDPOINT", s3_env["AWS_ENDPOINT"])
     assert _verify_all(DurableTier(url, retry=FAST), tmp_path) == list(range(1, 13))
-    events = _events(run)
+    events = run_events(run)
     uploads = [e for e in events if e["event"] == "upload"]
     assert sorted(e["step"] for e in uploads) == list(range(1, 13))
     assert sum(e["retries"] for e in uploads) > 0 or any(
@@ -125,7 +116,7 @@ def test_an_outage_keeps_the_newest_undurable_checkpoint_and_uploads_catch_up(
         assert ckpt.last_durable_step == 7
         assert ckpt.all_steps() == [7]
     assert fault_proxy.failures["down"] > 0
-    events = _events(run)
+    events = run_events(run)
     assert any(e["event"] in ("upload_retry", "upload_failed") for e in events)
     outage_uploads = [e for e in events if e["event"] == "upload" and e["step"] > 1]
     assert outage_uploads[-1]["step"] == 7 and outage_uploads[-1]["lag_s"] > 0.5

@@ -2,42 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import stalwart
-from stalwart.pipeline import verify_checkpoint
 from stalwart.storage.durable import DurableTier
-from stalwart.storage.remote import RetryPolicy
 
 from ..conftest import assert_same, make_parts, snapshot, train_steps
-
-FAST = RetryPolicy(initial_backoff=0.05, max_backoff=0.5, deadline=20.0, request_timeout=10.0)
+from .conftest import FAST, run_events, verify_durable
 
 
 def _seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def _events(directory: Path) -> list[dict]:
-    return [json.loads(line) for line in (directory / "events.jsonl").read_text().splitlines()]
-
-
-def _verify_durable(tier: DurableTier, step: int, tmp: Path) -> None:
-    target = tmp / f"verify-{step}"
-    target.mkdir()
-    manifest = tier.download(step, target)
-    (target / "MANIFEST.json").write_bytes(manifest)
-    assert verify_checkpoint(target).step == step
 
 
 def test_every_commit_is_uploaded_and_each_tier_keeps_its_own_retention(
@@ -67,8 +50,8 @@ def test_every_commit_is_uploaded_and_each_tier_keeps_its_own_retention(
     tier = DurableTier(url, retry=FAST)
     assert tier.committed_steps() == [4, 8, 9, 10]
     for step in (8, 10):
-        _verify_durable(tier, step, tmp_path)
-    events = _events(run)
+        verify_durable(tier, step, tmp_path)
+    events = run_events(run)
     uploads = [e for e in events if e["event"] == "upload"]
     assert [e["step"] for e in uploads] == list(range(1, 11))
     assert all(e["lag_s"] is not None and e["bytes"] > 0 for e in uploads)
@@ -113,7 +96,7 @@ def test_node_loss_restores_from_durable_and_resumes_bit_exact(tmp_path, s3_env,
         assert ckpt.restore(second.state) == 8
         train_steps(second, 4)
     assert_same(snapshot(second), expected)
-    restore = [e for e in _events(tmp_path / "node-b") if e["event"] in ("download", "restore")]
+    restore = [e for e in run_events(tmp_path / "node-b") if e["event"] in ("download", "restore")]
     assert [e["event"] for e in restore] == ["download", "restore"]
     assert restore[1]["source"] == "durable"
 
@@ -131,7 +114,7 @@ def test_restore_prefers_the_local_copy_and_falls_back_to_durable_when_it_is_dam
     fresh = torch.nn.Linear(32, 32)
     with stalwart.CheckpointManager(run, durable=url, durable_retry=FAST) as ckpt:
         assert ckpt.restore(stalwart.TrainState(model=fresh)) == 5
-    assert [e.get("source") for e in _events(run) if e["event"] == "restore"] == ["local"]
+    assert [e.get("source") for e in run_events(run) if e["event"] == "restore"] == ["local"]
     data = next((run / "step_000000005").glob("*.distcp"))
     blob = bytearray(data.read_bytes())
     blob[100] ^= 0x10
@@ -140,7 +123,7 @@ def test_restore_prefers_the_local_copy_and_falls_back_to_durable_when_it_is_dam
     with stalwart.CheckpointManager(run, durable=url, durable_retry=FAST) as ckpt:
         assert ckpt.restore(stalwart.TrainState(model=fresh)) == 5
     assert torch.equal(fresh.weight, expected)
-    events = _events(run)
+    events = run_events(run)
     assert [e["source"] for e in events if e["event"] == "restore"] == ["local", "durable"]
     assert any(e["event"] == "quarantine" for e in events)
 
@@ -178,7 +161,7 @@ def test_an_fsspec_url_works_as_durable_tier_with_create_only_commits(tmp_path):
             ckpt.save(step, parts.state)
     tier = DurableTier(url, retry=FAST)
     assert tier.committed_steps() == [1, 2]
-    _verify_durable(tier, 2, tmp_path)
+    verify_durable(tier, 2, tmp_path)
     # A second run writing a different checkpoint of step 2 into the same place loses.
     other = make_parts(hidden=4)
 
@@ -190,7 +173,7 @@ def test_an_fsspec_url_works_as_durable_tier_with_create_only_commits(tmp_path):
     with pytest.raises(stalwart.CommitConflictError):
         second_run()
     (tmp_path / "again").mkdir()
-    _verify_durable(tier, 2, tmp_path / "again")  # the first run's checkpoint is intact
+    verify_durable(tier, 2, tmp_path / "again")  # the first run's checkpoint is intact
 
 
 def test_bad_durable_arguments_fail_fast_with_a_clear_message(tmp_path, s3_env, s3_bucket):

@@ -87,7 +87,6 @@ EXIT_USAGE = 2
 # The names a checkpoint directory has in a run (committed, staging, moved aside).
 _CHECKPOINT_NAME_RE = re.compile(r"^\.?step_(\d{9,})(\.(tmp|del|corrupt)-[0-9a-f]+)?$")
 _DCP_METADATA = ".metadata"
-_XML_TAIL = re.compile(r":?\s*<\?xml[^>]*\?>.*$", re.S)
 _TIMING_KEYS = ("stall_s", "write_s", "checksum_s", "commit_s", "total_s", "throughput_MBps")
 
 
@@ -224,8 +223,8 @@ def store_error(exc: OSError) -> UsageError:
             "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
             "GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_ACCOUNT_KEY)"
         )
-    # One line: store messages may carry newlines and the start of an XML error body.
-    text = " ".join(_XML_TAIL.sub("", message).split())
+    # One line (the store client already drops the XML body of S3 errors).
+    text = " ".join(message.split())
     return UsageError(f"{text}; {hint}")
 
 
