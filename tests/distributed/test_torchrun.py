@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,11 +55,8 @@ def final(path: Path, nproc: int) -> dict:
 
 
 def starts(proc: subprocess.CompletedProcess[str]) -> list[int]:
-    return [
-        int(line.split(" start ")[1].split()[0])
-        for line in proc.stdout.splitlines()
-        if " start " in line
-    ]
+    """The step each rank started from, in order of its ``rank R start S`` report."""
+    return [int(step) for step in re.findall(r"rank \d+ start (\d+)", proc.stdout)]
 
 
 @pytest.fixture(scope="module")

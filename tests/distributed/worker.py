@@ -27,7 +27,10 @@ _LOG = None
 
 
 def say(message: str) -> None:
-    print(message, flush=True)
+    # One write per line: the ranks share torchrun's stdout, and a line split
+    # over two writes can interleave with another rank's.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (message + "\n").encode())
     if _LOG is not None:
         _LOG.write(message + "\n")
 
