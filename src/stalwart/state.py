@@ -146,6 +146,7 @@ class TrainState:
                     f"got {type(obj).__name__}"
                 )
             self.components[name] = obj
+        self._native = _NativeStateDict()
 
     # ------------------------------------------------------------------ saving
 
@@ -160,7 +161,7 @@ class TrainState:
         if self.model is not None:
             if self.optimizers:
                 fresh = [not opt.state for opt in self.optimizers]
-                model_sd, optim_sd = get_state_dict(self.model, self._optim_arg())
+                model_sd, optim_sd = self._native(self.model, self.optimizers, any(fresh))
                 # get_state_dict initialises an empty optimizer state with a zero-lr
                 # step. Undo that on the live optimizer: a run that never saved here
                 # would start its first real step from an empty state, and so must we.
@@ -328,6 +329,135 @@ _ATOMIC = frozenset({int, float, bool, str, bytes, type(None)})
 """Leaf types whose containers need no per-element visit (exact types: no subclasses)."""
 
 
+_WRAPPERS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module"})
+"""Path segments of DDP, torch.compile and activation-checkpoint wrappers, absent from FQNs."""
+
+
+class _NativeStateDict:
+    """``get_state_dict(model, optimizers)`` without recomputing every FQN on each save.
+
+    DCP's ``get_state_dict`` maps every parameter to its FQN, and every optimizer
+    entry to its parameter, on each call: about 1.7 ms for a 50-block MLP on one
+    core, a third of the time of the staging copy of its 64 MiB state. For a
+    model of plain tensors (no FSDP, no DTensor) that mapping changes only when
+    the model's keys, its parameter objects or the optimizers' param groups do.
+    The first save with a given structure runs DCP and rebuilds the same result
+    from the plain ``state_dict()`` calls; only when the two are identical (same
+    keys in the same order, tensors over the same memory, the same optimizer
+    state objects, equal param groups) do later saves with that structure take
+    the rebuild. Anything else (a sharded model, a hook that changes the keys,
+    an optimizer that has not stepped yet) always goes through DCP.
+    """
+
+    def __init__(self) -> None:
+        self._structure: tuple[Any, ...] | None = None
+        self._model_keys: list[tuple[str, str]] = []  # (DCP key, plain key), in DCP's order
+        self._fqns: list[list[str]] = []  # per optimizer: the FQN of each parameter index
+        self.rebuilt = 0  # saves served by the rebuild (for tests and benchmarks)
+
+    def __call__(
+        self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], fresh: bool
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        structure = plain = None
+        if not fresh and not _is_sharded(model):
+            plain = model.state_dict(keep_vars=True)
+            structure = _structure_of(plain, optimizers)
+        if structure is not None and structure == self._structure:
+            self.rebuilt += 1
+            return self._rebuild(plain, optimizers)  # type: ignore[arg-type]
+        model_sd, optim_sd = get_state_dict(model, optimizers)
+        self._structure = None
+        if structure is not None and plain is not None:
+            self._learn(structure, plain, optimizers, model_sd, optim_sd)
+        return model_sd, optim_sd
+
+    def _learn(
+        self,
+        structure: tuple[Any, ...],
+        plain: dict[str, Any],
+        optimizers: list[torch.optim.Optimizer],
+        model_sd: dict[str, Any],
+        optim_sd: dict[str, Any],
+    ) -> None:
+        order = {key: key for key in plain}
+        for key in list(order):
+            fqn = ".".join(part for part in key.split(".") if part not in _WRAPPERS)
+            if fqn != key:  # DCP renames by pop-and-insert, which moves the key last
+                order[fqn] = order.pop(key)
+        self._model_keys = list(order.items())
+        groups = iter(optim_sd.get("param_groups", []))
+        self._fqns = []
+        try:
+            for opt in optimizers:
+                self._fqns.append([fqn for _ in opt.param_groups for fqn in next(groups)["params"]])
+            rebuilt = self._rebuild(plain, optimizers)
+        except (StopIteration, KeyError, IndexError, TypeError):
+            return
+        if _identical(rebuilt, (model_sd, optim_sd)):
+            self._structure = structure
+
+    def _rebuild(
+        self, plain: dict[str, Any], optimizers: list[torch.optim.Optimizer]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        with torch.no_grad():
+            # model.state_dict() returns an OrderedDict, and so does DCP.
+            model_sd = type(plain)(
+                (key, plain[source].detach()) for key, source in self._model_keys
+            )
+        state: dict[str, Any] = {}
+        groups: list[dict[str, Any]] = []
+        for opt, fqns in zip(optimizers, self._fqns, strict=True):
+            osd = opt.state_dict()
+            for index, value in osd["state"].items():
+                state[fqns[index]] = value
+            for group in osd["param_groups"]:
+                group["params"] = [fqns[index] for index in group["params"]]
+                groups.append(group)
+        return model_sd, {"state": state, "param_groups": groups}
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    # FSDP1 gathers in state_dict(); FSDP2 and tensor parallelism hold DTensors.
+    return any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules())
+
+
+def _structure_of(
+    plain: dict[str, Any], optimizers: list[torch.optim.Optimizer]
+) -> tuple[Any, ...] | None:
+    params = []
+    for value in plain.values():
+        kind = type(value)
+        if kind is torch.nn.Parameter:
+            params.append(id(value))
+        elif kind is not torch.Tensor:
+            return None  # a DTensor, a tensor subclass or extra state: DCP's business
+    groups = tuple(
+        tuple(tuple(map(id, group["params"])) for group in opt.param_groups) for opt in optimizers
+    )
+    return tuple(plain), tuple(params), groups
+
+
+def _identical(a: Any, b: Any) -> bool:
+    """Same structure, tensors over the same memory, equal plain values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            type(a) is type(b) is torch.Tensor
+            and a.data_ptr() == b.data_ptr()
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+            and a.device == b.device
+            and a.requires_grad == b.requires_grad
+        )
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_identical(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b) or (a != a and b != b)  # NaN equals NaN here
+
+
 def _blob(value: Any, where: str) -> tuple[Any]:
     """One section as a single DCP entry: DCP's traversal keeps a tuple whole."""
     _check_plain(value, where)
@@ -375,30 +505,41 @@ def _only_saved(tree: dict[str, Any], prefix: str, saved: set[str]) -> dict[str,
     return out
 
 
+_LEAVES = (torch.Tensor, *_PLAIN_LEAVES)
+
+
+def _where(prefix: str, path: tuple[Any, ...]) -> str:
+    return prefix + "".join(f"[{p!r}]" for p in path)
+
+
 def _check_plain(sd: Any, prefix: str) -> None:
-    def walk(value: Any, where: str) -> None:
-        if isinstance(value, (torch.Tensor, *_PLAIN_LEAVES)):
+    # The path is built only for an error message: formatting it for every
+    # element would cost more than the walk itself on a large optimizer state.
+    def walk(value: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(value, _LEAVES):
             return
         if isinstance(value, Mapping):
             for k, v in value.items():
                 if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise TypeError(
-                        f"state{where} has a key of type {type(k).__name__} ({k!r}); checkpoint "
-                        "keys must be strings or integers"
+                        f"state{_where(prefix, path)} has a key of type {type(k).__name__} "
+                        f"({k!r}); checkpoint keys must be strings or integers"
                     )
-                walk(v, f"{where}[{k!r}]")
+                if not isinstance(v, _LEAVES):
+                    walk(v, (*path, k))
             return
         if isinstance(value, (list, tuple)):
             if all(type(v) in _ATOMIC for v in value):
                 return  # e.g. the 625 ints of random.getstate(): no per-element walk
             for i, v in enumerate(value):
-                walk(v, f"{where}[{i}]")
+                walk(v, (*path, i))
             return
         raise TypeError(
-            f"state{where} is a {type(value).__module__}.{type(value).__qualname__}; stalwart stores "
-            "only tensors and plain data (None, bool, int, float, str, bytes, lists, tuples, dicts) "
-            "because loading any other object needs an unpickler that can run code. Store the "
-            "object's state_dict() or plain values instead."
+            f"state{_where(prefix, path)} is a {type(value).__module__}."
+            f"{type(value).__qualname__}; stalwart stores only tensors and plain data (None, "
+            "bool, int, float, str, bytes, lists, tuples, dicts) because loading any other "
+            "object needs an unpickler that can run code. Store the object's state_dict() or "
+            "plain values instead."
         )
 
-    walk(sd, prefix)
+    walk(sd, ())
