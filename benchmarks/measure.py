@@ -489,8 +489,10 @@ def _child_processes_hwm_kib() -> int:
 def _stalwart_stall_breakdown(
     model: nn.Module, opt: torch.optim.Optimizer, state: stalwart.TrainState, repeats: int
 ) -> dict[str, float]:
-    """Where stalwart's async stall goes: torch's get_state_dict, the rest of
-    TrainState.state_dict (RNG capture, plain-data check), and the staging copy."""
+    """Where stalwart's async stall goes: TrainState.state_dict (model and optimizer
+    dicts, RNG capture, plain-data check) and the staging copy; DCP's
+    get_state_dict alone for comparison (TrainState rebuilds its result after
+    the first save instead of calling it)."""
     get_sd, train_sd, stage = [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -117,7 +117,7 @@ def analyze(results: dict[str, Any]) -> None:
                     f"<= {TARGET_STALL_X_MEMCPY}x",
                     x <= TARGET_STALL_X_MEMCPY,
                     f"stall {_ms(sa['stall_s'])}: TrainState.state_dict {_ms(b.get('trainstate_state_dict_s'))} "
-                    f"(get_state_dict {_ms(b.get('get_state_dict_s'))}) + stage copy "
+                    f"(DCP's get_state_dict alone {_ms(b.get('get_state_dict_s'))}) + stage copy "
                     f"{_ms(b.get('stage_copy_s'))}; memcpy {_ms(refs['memcpy_s'])}, "
                     f"clone into fresh memory {_ms(refs['clone_s'])}",
                 )
@@ -357,7 +357,7 @@ def _size_section(entry: dict[str, Any], meta: dict[str, Any], add: Any) -> None
         if name == "stalwart_async":
             b = m["breakdown"]
             notes.append(
-                f"stall = TrainState.state_dict {_ms(b['trainstate_state_dict_s'])} (get_state_dict "
+                f"stall = TrainState.state_dict {_ms(b['trainstate_state_dict_s'])} (DCP's get_state_dict alone "
                 f"{_ms(b['get_state_dict_s'])}) + stage copy {_ms(b['stage_copy_s'])}"
             )
         if "worker_peak_rss_growth_mib" in m:
