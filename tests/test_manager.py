@@ -216,6 +216,31 @@ def test_state_missing_a_checkpoint_key_is_refused_unless_not_strict(tmp_path):
         assert ckpt.restore(small, step=1, strict=False) == 1
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_model_of_other_shapes_is_a_mismatch_and_the_checkpoint_stays(tmp_path, strict):
+    # DCP fails such a read like a damaged file; a good checkpoint must not be moved
+    # aside as corrupt (the run would start over), and latest-restore must not skip it.
+    saved = make_parts(hidden=8)
+    with stalwart.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, saved.state)
+    wider = make_parts(hidden=16)
+    before = {k: v.clone() for k, v in wider.model.state_dict().items()}
+    with stalwart.CheckpointManager(tmp_path) as ckpt:
+        with pytest.raises(
+            stalwart.StateMismatchError,
+            match=r"tensor shapes differ: 0\.weight: checkpoint \[8, 4\], model \[16, 4\]",
+        ):
+            ckpt.restore(wider.state, strict=strict)
+        assert ckpt.all_steps() == [1]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".step_")) == []
+    assert_same(wider.model.state_dict(), before)  # nothing live was touched
+    assert not wider.optimizer.state
+    same = make_parts(hidden=8)
+    with stalwart.CheckpointManager(tmp_path) as ckpt:
+        assert ckpt.restore(same.state) == 1
+    assert_same(same.model.state_dict(), saved.model.state_dict())
+
+
 def test_state_with_a_key_the_checkpoint_lacks_is_refused_unless_not_strict(tmp_path):
     a = make_parts()
     with stalwart.CheckpointManager(tmp_path) as ckpt:

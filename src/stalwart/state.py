@@ -216,12 +216,31 @@ class TrainState:
         return target
 
     def check(self, metadata: Metadata, blobs: Mapping[str, Any], *, strict: bool = True) -> None:
-        """Raise ``StateMismatchError`` when the state and the checkpoint differ in keys (strict)."""
+        """Raise ``StateMismatchError`` when the state and the checkpoint differ in
+        tensor shapes (always) or in keys (strict), leaving the live objects as they were."""
+        fresh = [opt for opt in self.optimizers if not opt.state]
+        try:
+            self._check(metadata, blobs, strict)
+        except StateMismatchError:
+            for opt in fresh:  # get_state_dict gave them a zero-lr step's state
+                opt.state.clear()
+            raise
+
+    def _check(self, metadata: Metadata, blobs: Mapping[str, Any], strict: bool) -> None:
+        live_native = self._live_native()
+        # DCP reports a shape difference as a failed read, which would pass for
+        # corruption and send a good checkpoint aside: name it as the mismatch it is.
+        shapes = _shape_mismatches(metadata, live_native)
+        if shapes:
+            raise StateMismatchError(
+                f"the checkpoint does not match the state to restore: {len(shapes)} tensor "
+                f"shapes differ: {_preview(shapes)}; build the model (and optimizer) with the "
+                "configuration it was trained with"
+            )
         if not strict:
             return
         saved = set(metadata.state_dict_metadata)
         saved_sections = {k.split(".", 1)[0] for k in saved} - {_META}
-        live_native = self._live_native()
         wanted = (
             set(live_native)
             | set(self.components)
@@ -353,21 +372,21 @@ class _NativeStateDict:
         self._structure: tuple[Any, ...] | None = None
         self._model_keys: list[tuple[str, str]] = []  # (DCP key, plain key), in DCP's order
         self._fqns: list[list[str]] = []  # per optimizer: the FQN of each parameter index
-        self.rebuilt = 0  # saves served by the rebuild (for tests and benchmarks)
+        self.rebuilt = 0  # saves served by the rebuild (the tests check it is used)
 
     def __call__(
         self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], fresh: bool
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        structure = plain = None
-        if not fresh and not _is_sharded(model):
-            plain = model.state_dict(keep_vars=True)
-            structure = _structure_of(plain, optimizers)
+        if fresh or _is_sharded(model):
+            return get_state_dict(model, optimizers)
+        plain = model.state_dict(keep_vars=True)
+        structure = _structure_of(plain, optimizers)
         if structure is not None and structure == self._structure:
             self.rebuilt += 1
-            return self._rebuild(plain, optimizers)  # type: ignore[arg-type]
+            return self._rebuild(plain, optimizers)
         model_sd, optim_sd = get_state_dict(model, optimizers)
         self._structure = None
-        if structure is not None and plain is not None:
+        if structure is not None:
             self._learn(structure, plain, optimizers, model_sd, optim_sd)
         return model_sd, optim_sd
 
@@ -487,6 +506,25 @@ def _to_cpu(value: Any) -> Any:
 def _preview(keys: list[str], limit: int = 8) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def _shape_mismatches(metadata: Metadata, live: dict[str, Any]) -> list[str]:
+    """``"<key>: checkpoint [..], <section> [..]"`` for each live tensor saved with another
+    (global) shape."""
+    saved = metadata.state_dict_metadata
+    problems: list[str] = []
+
+    def visit(path: tuple[str | int, ...], value: Any) -> None:
+        if not isinstance(value, torch.Tensor):
+            return
+        key = ".".join(map(str, path))
+        md = saved.get(key)
+        if isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(value.shape):
+            section, _, rest = key.partition(".")
+            problems.append(f"{rest}: checkpoint {list(md.size)}, {section} {list(value.shape)}")
+
+    traverse_state_dict(live, visit)
+    return problems
 
 
 def _only_saved(tree: dict[str, Any], prefix: str, saved: set[str]) -> dict[str, Any]:

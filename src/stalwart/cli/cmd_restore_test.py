@@ -39,8 +39,6 @@ from typing import Any, TextIO
 
 import torch
 from rich.text import Text
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from stalwart.cli.cmd_inspect import resolve_checkpoint
 from stalwart.cli.common import (
@@ -53,9 +51,8 @@ from stalwart.cli.common import (
     name_step,
     new_table,
 )
-from stalwart.errors import StalwartError, StateMismatchError
+from stalwart.errors import StalwartError
 from stalwart.pipeline import load_checkpoint
-from stalwart.safe_load import read_dcp_metadata
 from stalwart.state import TrainState
 
 __all__ = ["add_parser", "load_factory", "restore_test", "run"]
@@ -375,7 +372,6 @@ def restore_test(
     }
 
     def load() -> tuple[str, str]:
-        _check_shapes(checkpoint, model)
         try:
             manifest = load_checkpoint(checkpoint, state, strict=True)
         except Exception:
@@ -461,31 +457,6 @@ def restore_test(
     report.pop("saved_metrics", None)
     report["ok"] = not checks.failed
     return report
-
-
-def _check_shapes(checkpoint: Path, model: torch.nn.Module) -> None:
-    # DCP reports a shape difference as a failed read, which would look like
-    # corruption; name every differing tensor as the mismatch it is instead.
-    # (Unreadable metadata is left to load_checkpoint, which names the file.)
-    try:
-        saved = read_dcp_metadata(checkpoint).state_dict_metadata
-    except Exception:
-        return
-    problems = []
-    for name, tensor in get_model_state_dict(model).items():
-        md = saved.get(f"model.{name}")
-        if (
-            isinstance(md, TensorStorageMetadata)
-            and isinstance(tensor, torch.Tensor)
-            and tuple(md.size) != tuple(tensor.shape)
-        ):
-            problems.append(f"{name}: checkpoint {list(md.size)}, model {list(tensor.shape)}")
-    if problems:
-        raise StateMismatchError(
-            f"the model does not match the checkpoint: {len(problems)} tensor shapes differ: "
-            + _preview(problems)
-            + "; build the model with the configuration it was trained with"
-        )
 
 
 def _named_tensors(
