@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -100,6 +101,26 @@ def test_async_save_round_trips_and_does_not_alias_live_tensors(tmp_path):
     with stalwart.CheckpointManager(tmp_path) as ckpt:
         assert ckpt.restore(b.state) == 2
     assert_same(expected["model"], snapshot(b)["model"])
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_tuple_and_list_subclasses_are_stored_as_plain_ones(tmp_path, async_save):
+    # A restore loads no classes, so subclasses must be saved as the plain type, or the
+    # checkpoint could be written but never read back.
+    class Steps(list):
+        pass
+
+    extra = {"where": Point(1, 2), "steps": Steps([3, 4]), "nested": [Point(5, 6)]}
+    with stalwart.CheckpointManager(tmp_path, async_save=async_save) as ckpt:
+        ckpt.save(1, stalwart.TrainState(extra=extra))
+    back: dict = dict.fromkeys(extra)
+    with stalwart.CheckpointManager(tmp_path) as ckpt:
+        assert ckpt.restore(stalwart.TrainState(extra=back)) == 1
+    assert back == {"where": (1, 2), "steps": [3, 4], "nested": [(5, 6)]}
+    assert type(back["where"]) is tuple and type(back["steps"]) is list
 
 
 def test_restore_without_checkpoints_returns_none(tmp_path):

@@ -38,7 +38,7 @@ from stalwart.errors import (
 )
 from stalwart.manifest import MANIFEST_NAME, FileEntry, Manifest, hash_file
 from stalwart.safe_load import read_dcp_metadata, safe_load
-from stalwart.state import TrainState
+from stalwart.state import _ATOMIC, TrainState
 from stalwart.storage.base import CheckpointStorage
 
 __all__ = [
@@ -130,9 +130,6 @@ class SaveResult:
 
 
 # --------------------------------------------------------------------------- save
-
-
-_ATOMIC = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 class StagingArea:

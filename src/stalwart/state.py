@@ -369,10 +369,12 @@ class _NativeStateDict:
     """
 
     def __init__(self) -> None:
-        self._structure: tuple[Any, ...] | None = None
+        self._structure: tuple[Any, ...] | None = None  # the structure the rebuild serves
+        self._rejected: tuple[Any, ...] | None = None  # one whose rebuild differed: not retried
         self._model_keys: list[tuple[str, str]] = []  # (DCP key, plain key), in DCP's order
         self._fqns: list[list[str]] = []  # per optimizer: the FQN of each parameter index
         self.rebuilt = 0  # saves served by the rebuild (the tests check it is used)
+        self.learned = 0  # checks of a rebuild against DCP
 
     def __call__(
         self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], fresh: bool
@@ -386,7 +388,7 @@ class _NativeStateDict:
             return self._rebuild(plain, optimizers)
         model_sd, optim_sd = get_state_dict(model, optimizers)
         self._structure = None
-        if structure is not None:
+        if structure is not None and structure != self._rejected:
             self._learn(structure, plain, optimizers, model_sd, optim_sd)
         return model_sd, optim_sd
 
@@ -398,6 +400,7 @@ class _NativeStateDict:
         model_sd: dict[str, Any],
         optim_sd: dict[str, Any],
     ) -> None:
+        self.learned += 1
         order = {key: key for key in plain}
         for key in list(order):
             fqn = ".".join(part for part in key.split(".") if part not in _WRAPPERS)
@@ -411,9 +414,12 @@ class _NativeStateDict:
                 self._fqns.append([fqn for _ in opt.param_groups for fqn in next(groups)["params"]])
             rebuilt = self._rebuild(plain, optimizers)
         except (StopIteration, KeyError, IndexError, TypeError):
+            self._rejected = structure
             return
         if _identical(rebuilt, (model_sd, optim_sd)):
             self._structure = structure
+        else:
+            self._rejected = structure
 
     def _rebuild(
         self, plain: dict[str, Any], optimizers: list[torch.optim.Optimizer]
@@ -494,8 +500,9 @@ def _to_cpu(value: Any) -> Any:
         return value.detach().cpu() if value.device.type != "cpu" else value
     if isinstance(value, dict):
         return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and all(type(v) in _ATOMIC for v in value):
-        return list(value) if isinstance(value, list) else value
+    kind = type(value)  # exact: a namedtuple or list subclass is stored as the plain type
+    if kind in (list, tuple) and all(type(v) in _ATOMIC for v in value):
+        return list(value) if kind is list else value
     if isinstance(value, list):
         return [_to_cpu(v) for v in value]
     if isinstance(value, tuple):
