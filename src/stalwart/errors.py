@@ -112,6 +112,3 @@ class DurableStoreError(StalwartError, OSError):
     def __init__(self, message: str, *, transient: bool = False) -> None:
         super().__init__(message)
         self.transient = transient
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""

@@ -16,7 +16,7 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -547,7 +547,7 @@ def file_problems(
     ranks share the reading. ``advance(n)`` is told the bytes of each file hashed.
     """
     problems: list[FileProblem] = []
-    sized = []
+    sized: set[str] = set()
     for entry in manifest.files:
         try:
             size = (path / entry.path).stat().st_size
@@ -557,7 +557,7 @@ def file_problems(
             problems.append(FileProblem(entry.path, f"cannot read ({exc.strerror or exc})", True))
         else:
             if size == entry.size:
-                sized.append(entry)
+                sized.add(entry.path)
                 continue
             problems.append(
                 FileProblem(
@@ -570,7 +570,7 @@ def file_problems(
     if not checksums:
         return problems
     rank, world = part
-    mine = [entry for entry in manifest.files[rank::world] if entry in sized]
+    mine = [entry for entry in manifest.files[rank::world] if entry.path in sized]
 
     def check(entry: FileEntry) -> FileProblem | None:
         try:
@@ -591,22 +591,21 @@ def file_problems(
     # Files are read and hashed side by side (xxh3 and file reads release the GIL),
     # so a checkpoint of several files verifies at the disk's speed, not one file's.
     workers = min(len(mine), VERIFY_THREADS)
-    if workers <= 1:
-        results: Iterable[FileProblem | None] = map(check, mine)
-        for problem in results:
+    pool = (
+        concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="stalwart-verify")
+        if workers > 1
+        else None
+    )
+    try:
+        for problem in pool.map(check, mine) if pool is not None else map(check, mine):
             if problem is not None:
                 problems.append(problem)
                 if first_only:
-                    return problems
-        return problems
-    with concurrent.futures.ThreadPoolExecutor(
-        workers, thread_name_prefix="stalwart-verify"
-    ) as pool:
-        for problem in pool.map(check, mine):
-            if problem is not None:
-                problems.append(problem)
-                if first_only:
-                    return problems
+                    break
+    finally:
+        if pool is not None:
+            # After the first problem, files not yet started are not read at all.
+            pool.shutdown(wait=True, cancel_futures=True)
     return problems
 
 
