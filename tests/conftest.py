@@ -25,6 +25,13 @@ class Parts:
     state: stalwart.TrainState
 
 
+def seed_all(seed: int) -> None:
+    """Seed the global generators a training step draws from: python, numpy, torch."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def make_parts(*, hidden: int = 8, extra: dict | None = None, **state_kwargs) -> Parts:
     model = torch.nn.Sequential(
         torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2)

@@ -19,6 +19,8 @@ from stalwart.sampler import (
     SeededSampler,
 )
 
+from .conftest import seed_all
+
 N = 22  # samples
 B = 4  # batch size: 6 batches an epoch, the last one of 2
 PER_EPOCH = 6
@@ -48,12 +50,6 @@ class AugmentedDataset(Dataset[torch.Tensor]):
 class Stream(IterableDataset[int]):
     def __iter__(self) -> Iterator[int]:
         return iter(range(3))
-
-
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
 
 
 def train_step_draws() -> torch.Tensor:
@@ -91,7 +87,7 @@ def assert_bit_identical(got: list[torch.Tensor], expected: list[torch.Tensor]) 
 @pytest.fixture(scope="module")
 def uninterrupted() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """2.5 epochs with 2 workers, never stopped: batches and the training loop's draws."""
-    seed_everything(0)
+    seed_all(0)
     return run(make_loader(num_workers=2).forever(), STEPS)
 
 
@@ -110,13 +106,13 @@ def test_step_loop_resumed_in_a_new_loader_is_bit_identical(
     stop_after: int,
     workers_after: int,
 ) -> None:
-    seed_everything(0)
+    seed_all(0)
     first = make_loader(num_workers=2)
     batches, draws = run(first.forever(), stop_after)
     data_state, rng_state = first.state_dict(), capture_rng_state()
     del first
 
-    seed_everything(12345)  # a new process starts with other generator states
+    seed_all(12345)  # a new process starts with other generator states
     second = make_loader(num_workers=workers_after)
     second.load_state_dict(data_state)
     restore_rng_state(rng_state)
@@ -149,7 +145,7 @@ def test_epoch_loop_resumed_mid_epoch_or_at_its_end_is_bit_identical(stop_after:
 
 def test_iterating_with_zero_workers_leaves_every_global_generator_untouched() -> None:
     loader = make_loader(num_workers=0)
-    seed_everything(3)
+    seed_all(3)
     before = capture_rng_state()
     for _ in range(2):
         for _batch in loader:
@@ -322,7 +318,7 @@ def test_an_iterable_dataset_is_refused() -> None:
 
 def test_seeded_dataset_item_depends_only_on_its_key_and_leaves_the_callers_rng_alone() -> None:
     seeded = SeededDataset(AugmentedDataset())
-    seed_everything(5)
+    seed_all(5)
     before = capture_rng_state()
     first = seeded[(3, 99)]
     assert torch.equal(seeded[(3, 99)], first)
@@ -407,12 +403,12 @@ def test_stateful_dataloader_state_cannot_change_the_worker_count() -> None:
 def test_stateful_dataloader_resumes_the_training_loops_rng_too() -> None:
     """The data loader and capture_rng_state together: the loop's own draws continue as well."""
     make: Callable[[int], tuple[Any, SeededSampler]] = make_stateful
-    seed_everything(1)
+    seed_all(1)
     loader, _ = make(2)
     reference = []
     for batch in loader:
         reference.append(torch.cat([batch.flatten(), train_step_draws()]))
-    seed_everything(1)
+    seed_all(1)
     loader, _ = make(2)
     got = []
     it = iter(loader)
@@ -420,7 +416,7 @@ def test_stateful_dataloader_resumes_the_training_loops_rng_too() -> None:
         got.append(torch.cat([next(it).flatten(), train_step_draws()]))
     state, rng = loader.state_dict(), capture_rng_state()
     del it, loader
-    seed_everything(77)
+    seed_all(77)
     loader, _ = make(2)
     loader.load_state_dict(state)
     restore_rng_state(rng)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import collections
 import json
 import os
-import random
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,24 +15,18 @@ import stalwart
 from stalwart.events import read_events
 from stalwart.manifest import MANIFEST_NAME
 
-from .conftest import assert_same, make_parts, snapshot, train_steps
-
-
-def _seed(s: int) -> None:
-    torch.manual_seed(s)
-    random.seed(s)
-    np.random.seed(s)
+from .conftest import assert_same, make_parts, seed_all, snapshot, train_steps
 
 
 def test_restore_brings_back_every_part_of_the_state(tmp_path):
-    _seed(0)
+    seed_all(0)
     a = make_parts()
     train_steps(a, 3)
     with stalwart.CheckpointManager(tmp_path) as ckpt:
         assert ckpt.save(3, a.state, metrics={"loss": 0.5})
     expected = snapshot(a)
 
-    _seed(123)  # a new process would start from another RNG state
+    seed_all(123)  # a new process would start from another RNG state
     b = make_parts()
     extra_obj = b.extra
     with stalwart.CheckpointManager(tmp_path) as ckpt:
@@ -44,17 +36,17 @@ def test_restore_brings_back_every_part_of_the_state(tmp_path):
 
 
 def test_training_continues_identically_after_restore(tmp_path):
-    _seed(0)
+    seed_all(0)
     ref = make_parts()
     train_steps(ref, 6)
     want = snapshot(ref)
 
-    _seed(0)
+    seed_all(0)
     a = make_parts()
     train_steps(a, 2)
     with stalwart.CheckpointManager(tmp_path) as ckpt:
         ckpt.save(2, a.state)
-    _seed(99)
+    seed_all(99)
     b = make_parts()
     with stalwart.CheckpointManager(tmp_path) as ckpt:
         assert ckpt.restore(b.state) == 2
@@ -64,12 +56,12 @@ def test_training_continues_identically_after_restore(tmp_path):
 
 def test_save_before_the_first_optimizer_step_does_not_change_the_run(tmp_path):
     """get_state_dict initialises an empty optimizer state; the run must not see that."""
-    _seed(0)
+    seed_all(0)
     ref = make_parts()
     train_steps(ref, 3)
     want = snapshot(ref)
 
-    _seed(0)
+    seed_all(0)
     a = make_parts()
     with stalwart.CheckpointManager(tmp_path) as ckpt:
         ckpt.save(0, a.state)
@@ -77,7 +69,7 @@ def test_save_before_the_first_optimizer_step_does_not_change_the_run(tmp_path):
     train_steps(a, 3)
     assert_same(want, snapshot(a))
 
-    _seed(5)
+    seed_all(5)
     b = make_parts()
     with stalwart.CheckpointManager(tmp_path) as ckpt:
         assert ckpt.restore(b.state, step=0) == 0
@@ -87,7 +79,7 @@ def test_save_before_the_first_optimizer_step_does_not_change_the_run(tmp_path):
 
 
 def test_async_save_round_trips_and_does_not_alias_live_tensors(tmp_path):
-    _seed(0)
+    seed_all(0)
     a = make_parts()
     train_steps(a, 2)
     expected = snapshot(a)

@@ -19,7 +19,7 @@ import torch
 
 import stalwart
 
-from .conftest import assert_one_line_error
+from .conftest import assert_one_line_error, flip_byte
 from .conftest import cli as run_cli
 
 FACTORY = """\
@@ -210,9 +210,7 @@ def test_a_model_of_another_shape_is_a_mismatch_naming_the_tensors(capsys, prist
 
 def test_a_corrupt_file_fails_naming_the_file(capsys, run, tmp_path):
     data_file = run / "step_000000020" / "__0_0.distcp"
-    data = bytearray(data_file.read_bytes())
-    data[100] ^= 0xFF
-    data_file.write_bytes(bytes(data))
+    flip_byte(data_file)
     factory = write_factory(tmp_path)
     code, out, _ = cli(capsys, run, "--build", f"{factory}:build")
     assert code == 1

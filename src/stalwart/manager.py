@@ -42,7 +42,7 @@ from stalwart.policy import RetentionPolicy, SavePolicy
 from stalwart.state import TrainState
 from stalwart.storage.durable import DurableTier
 from stalwart.storage.local import LocalStorage
-from stalwart.storage.remote import RetryPolicy, redact_url
+from stalwart.storage.remote import RetryPolicy, is_url, redact_url
 from stalwart.upload import Uploader, transfer_progress
 
 __all__ = ["CheckpointManager"]
@@ -52,10 +52,6 @@ logger = logging.getLogger("stalwart")
 _PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
 _SAME = object()
 """Default of the durable retention arguments: the same as the local ones."""
-
-
-def _is_url(value: object) -> bool:
-    return isinstance(value, str) and "://" in value
 
 
 def local_cache_dir(url: str) -> Path:
@@ -183,7 +179,7 @@ class CheckpointManager:
         durable_retry: RetryPolicy | None = None,
         durable_close_timeout: float | None = 600.0,
     ) -> None:
-        if _is_url(directory) and not str(directory).startswith("file://"):
+        if is_url(directory) and not str(directory).startswith("file://"):
             url = str(directory)
             if durable is not None and durable != url:
                 raise ValueError(
@@ -199,13 +195,13 @@ class CheckpointManager:
             if durable_keep_every is _SAME:
                 durable_keep_every = keep_every
             keep_last, keep_every = 1, None
-        elif _is_url(directory):
+        elif is_url(directory):
             directory = str(directory)[len("file://") :]
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path, got {type(directory).__name__}")
         self.save_policy = SavePolicy(every_steps=every_steps, every_seconds=every_seconds)
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
-        if durable is not None and not _is_url(durable):
+        if durable is not None and not is_url(durable):
             raise ValueError(
                 f"durable must be an object-store URL such as 's3://bucket/prefix', got {durable!r}"
             )

@@ -7,6 +7,7 @@ test gets its own bucket, so tests do not see each other's objects.
 from __future__ import annotations
 
 import secrets
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,12 @@ FAST = RetryPolicy(initial_backoff=0.05, max_backoff=0.5, deadline=20.0, request
 """Retries for tests: short backoff, a deadline of seconds rather than minutes."""
 
 
+def use_endpoint(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
+    """Point the S3 clients that read the environment at ``endpoint`` (the server or a proxy)."""
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT"):
+        monkeypatch.setenv(name, endpoint)
+
+
 def run_events(run: Path) -> list[dict]:
     """Every event a run recorded in its events.jsonl."""
     return list(read_events(run))
@@ -31,8 +38,7 @@ def run_events(run: Path) -> list[dict]:
 
 def verify_durable(tier: DurableTier, step: int, tmp: Path) -> None:
     """Download ``step`` into a fresh directory under ``tmp`` and verify every file there."""
-    target = tmp / f"verify-{step}"
-    target.mkdir()
+    target = Path(tempfile.mkdtemp(prefix=f"verify-{step}-", dir=tmp))
     (target / MANIFEST_NAME).write_bytes(tier.download(step, target))
     assert verify_checkpoint(target).step == step
 

@@ -13,7 +13,7 @@ from stalwart.storage.durable import DurableTier
 from stalwart.storage.remote import RetryPolicy
 
 from ..conftest import assert_one_line_error, cli, make_parts, train_steps
-from .conftest import FAST, run_events, verify_durable
+from .conftest import FAST, run_events, use_endpoint, verify_durable
 
 INCOMPLETE = "step_000000009/data-00000000000000aa/__0_0.distcp"
 STRAY = "step_000000006/data-00000000000000bb/__0_0.distcp"
@@ -116,8 +116,7 @@ def test_ls_of_a_run_shows_steps_left_only_in_the_durable_tier(capsys, tmp_path,
 def test_ls_of_a_run_reports_failing_uploads_while_the_store_is_down(
     capsys, tmp_path, s3_env, s3_bucket, fault_proxy, monkeypatch
 ):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint)
-    monkeypatch.setenv("AWS_ENDPOINT", fault_proxy.endpoint)
+    use_endpoint(monkeypatch, fault_proxy.endpoint)
     url = f"s3://{s3_bucket}/down"
     run = tmp_path / "run"
     parts = make_parts()

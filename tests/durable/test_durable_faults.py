@@ -19,14 +19,9 @@ from stalwart.pipeline import verify_checkpoint
 from stalwart.storage.durable import DurableTier
 
 from ..conftest import make_parts, train_steps
-from .conftest import FAST, run_events, verify_durable
+from .conftest import FAST, run_events, use_endpoint, verify_durable
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _through(proxy, monkeypatch) -> None:
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    monkeypatch.setenv("AWS_ENDPOINT", proxy.endpoint)
 
 
 def _verify_all(tier: DurableTier, tmp: Path) -> list[int]:
@@ -40,7 +35,7 @@ def test_with_30_percent_of_requests_failing_every_checkpoint_becomes_durable(
     tmp_path, s3_env, s3_bucket, fault_proxy, monkeypatch
 ):
     url = f"s3://{s3_bucket}/flaky"
-    _through(fault_proxy, monkeypatch)
+    use_endpoint(monkeypatch, fault_proxy.endpoint)
     fault_proxy.fail_rate = 0.3  # 503, 500, resets before the request and mid-response
     fault_proxy.delay_s = 0.01
     parts = make_parts(hidden=256)
@@ -64,8 +59,7 @@ def test_with_30_percent_of_requests_failing_every_checkpoint_becomes_durable(
             time.sleep(0.1)  # the rest of a training step
         assert ckpt.wait_durable(180)
     assert sum(fault_proxy.failures.values()) >= 10, fault_proxy.failures
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env["AWS_ENDPOINT_URL"])
-    monkeypatch.setenv("AWS_ENDPOINT", s3_env["AWS_ENDPOINT"])
+    use_endpoint(monkeypatch, s3_env["AWS_ENDPOINT_URL"])
     assert _verify_all(DurableTier(url, retry=FAST), tmp_path) == list(range(1, 13))
     events = run_events(run)
     uploads = [e for e in events if e["event"] == "upload"]
@@ -88,7 +82,7 @@ def test_an_outage_keeps_the_newest_undurable_checkpoint_and_uploads_catch_up(
     tmp_path, s3_env, s3_bucket, fault_proxy, monkeypatch
 ):
     url = f"s3://{s3_bucket}/outage"
-    _through(fault_proxy, monkeypatch)
+    use_endpoint(monkeypatch, fault_proxy.endpoint)
     parts = make_parts()
     run = tmp_path / "run"
     with stalwart.CheckpointManager(
@@ -122,8 +116,7 @@ def test_an_outage_keeps_the_newest_undurable_checkpoint_and_uploads_catch_up(
     assert outage_uploads[-1]["step"] == 7 and outage_uploads[-1]["lag_s"] > 0.5
     # Each save during the outage returned after the local commit, not after retries.
     assert max(stalls) < 2.0 and max(stalls) < outage_uploads[-1]["lag_s"]
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env["AWS_ENDPOINT_URL"])
-    monkeypatch.setenv("AWS_ENDPOINT", s3_env["AWS_ENDPOINT"])
+    use_endpoint(monkeypatch, s3_env["AWS_ENDPOINT_URL"])
     assert 7 in _verify_all(DurableTier(url, retry=FAST), tmp_path)
 
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import stalwart
-from stalwart.events import read_events
 from stalwart.manifest import MANIFEST_NAME
 from stalwart.pipeline import verify_checkpoint
 from stalwart.storage.durable import DurableTier, data_dir_name
 from stalwart.storage.local import LocalStorage
 
-from .conftest import FAST
+from ..conftest import flip_byte
+from .conftest import FAST, run_events, use_endpoint
 
 
 def _checkpoint(directory: Path, step: int, *, seed: int = 0, width: int = 64) -> Path:
@@ -139,7 +139,7 @@ def test_two_managers_committing_the_same_step_one_gets_a_clear_error(tmp_path, 
         t.join()
     assert sorted(type(v).__name__ for v in results.values()) == ["CommitConflictError", "bool"]
     loser = next(n for n, v in results.items() if isinstance(v, Exception))
-    events = list(read_events(tmp_path / loser))
+    events = run_events(tmp_path / loser)
     assert any(
         e["event"] == "upload_failed" and "CommitConflictError" in e["error"] for e in events
     )
@@ -150,9 +150,7 @@ def test_a_local_file_damaged_after_commit_is_never_uploaded_as_committed(
 ):
     local = _checkpoint(tmp_path / "run", 4)
     data = next(p for p in local.iterdir() if p.suffix == ".distcp")
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    flip_byte(data, data.stat().st_size // 2)
     tier = DurableTier(f"s3://{s3_bucket}/exp", retry=FAST)
     with pytest.raises(stalwart.CheckpointCorruptError, match="no longer matches"):
         tier.upload(local)
@@ -188,7 +186,7 @@ def test_a_damaged_durable_copy_is_detected_before_use_and_restore_falls_back(
     ) as ckpt:
         assert ckpt.restore(stalwart.TrainState(model=fresh)) == 1
     assert torch.equal(fresh.weight, saved[1])
-    events = list(read_events(tmp_path / "new"))
+    events = run_events(tmp_path / "new")
     skipped = [e for e in events if e["event"] == "restore_skipped"]
     assert skipped and skipped[0]["step"] == 2 and "damaged" in skipped[0]["reason"]
     assert not (tmp_path / "new" / "step_000000002").exists()
@@ -205,8 +203,7 @@ def test_credentials_never_appear_in_events_manifests_logs_or_errors(
     state = stalwart.TrainState(model=model)
     # A conflict, retries through a failing network, and a restore.
     DurableTier(url, retry=FAST).upload(_checkpoint(tmp_path / "other", 1, seed=9))
-    monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint)
-    monkeypatch.setenv("AWS_ENDPOINT", fault_proxy.endpoint)
+    use_endpoint(monkeypatch, fault_proxy.endpoint)
     fault_proxy.fail_rate = 0.5
     with stalwart.CheckpointManager(
         tmp_path / "run", durable=url, durable_retry=FAST, handle_signals=False

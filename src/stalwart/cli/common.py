@@ -44,7 +44,7 @@ from stalwart.safe_load import read_dcp_metadata
 from stalwart.storage.base import StepEntry
 from stalwart.storage.durable import DurableTier
 from stalwart.storage.local import LocalStorage
-from stalwart.storage.remote import RetryPolicy
+from stalwart.storage.remote import RetryPolicy, is_url
 
 __all__ = [
     "EXIT_BAD",
@@ -185,11 +185,6 @@ def dir_usage(path: Path) -> tuple[int, int]:
         except OSError:
             continue
     return total, files
-
-
-def is_url(text: str) -> bool:
-    """Whether a command-line target names an object-store prefix (``s3://…``) rather than a path."""
-    return "://" in text
 
 
 STORE_RETRY = RetryPolicy(

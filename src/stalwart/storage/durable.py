@@ -40,7 +40,7 @@ import xxhash
 
 from stalwart.errors import CheckpointCorruptError, CommitConflictError, DurableStoreError
 from stalwart.manifest import MANIFEST_NAME, Manifest, hash_file
-from stalwart.storage.local import step_dir_name
+from stalwart.storage.local import fsync_file, step_dir_name
 from stalwart.storage.remote import (
     CHUNK,
     ObjectClient,
@@ -372,11 +372,7 @@ class DurableTier:
         self._parallel(fetch, jobs)
         for entry in manifest.files:
             path = destination / entry.path
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(path)
             size, digest = hash_file(path)
             if size != entry.size or digest != entry.xxh3_128:
                 raise CheckpointCorruptError(

@@ -37,9 +37,10 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from stalwart.errors import DurableStoreError
+from stalwart.storage.local import fsync_dir
 
 __all__ = [
     "FsspecClient",
@@ -252,7 +253,18 @@ class ObstoreClient:
         options = dict(options or {})
         retry = retry or RetryPolicy()
         self._secrets = _known_secrets(url, options)
-        scheme = urlsplit(url).scheme.lower()
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if parts.username is not None or parts.password is not None:
+            # obstore would drop them silently and use the environment's instead.
+            if scheme not in ("s3", "s3a"):
+                raise ValueError(
+                    f"{self.url}: credentials in a {scheme}:// URL are not supported; pass "
+                    "them in durable_options or the environment"
+                )
+            options.setdefault("access_key_id", unquote(parts.username or ""))
+            options.setdefault("secret_access_key", unquote(parts.password or ""))
+            url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
         client_options = {
             "timeout": f"{retry.request_timeout:g}s",
             "connect_timeout": f"{retry.connect_timeout:g}s",
@@ -457,11 +469,7 @@ class FsspecClient:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(Path(os.path.dirname(path) or "."))
 
     def _write(self, path: str, chunks: Iterable[bytes], *, create_only: bool) -> None:
         if self._local:
@@ -534,6 +542,11 @@ def _mtime(info: Mapping[str, Any]) -> float:
     return time.time()
 
 
+def is_url(value: object) -> bool:
+    """Whether ``value`` names an object-store or fsspec location (``s3://…``) rather than a path."""
+    return isinstance(value, str) and "://" in value
+
+
 def open_client(
     url: str,
     *,
@@ -546,7 +559,7 @@ def open_client(
     ``backend="fsspec"`` forces fsspec (for example s3fs for ``s3://``), and
     ``backend="obstore"`` forces obstore.
     """
-    if not isinstance(url, str) or "://" not in url:
+    if not is_url(url):
         raise ValueError(
             f"durable must be a URL such as 's3://bucket/prefix', 'gs://bucket/prefix' or "
             f"'file:///mnt/backup/run1', got {url!r}"
