@@ -245,9 +245,9 @@ class CheckpointManager:
         self.is_leader = self._coord.is_leader
         self._lock = RunLock(self.directory)
         self.tier: DurableTier | None = None
+        """The durable tier (on the rank that commits), or None."""
         durable_steps: list[int] | None = None
         durable_down: str | None = None
-        """The durable tier (on the rank that commits), or None."""
         self.durable_url = None if durable is None else redact_url(durable).rstrip("/")
         error: BaseException | None = None
         try:
@@ -870,10 +870,8 @@ class CheckpointManager:
         if uploader is None:
             return
         newest = self.latest_step()
-        if (
-            newest is not None
-            and newest not in uploader.pending
-            and (uploader.last_durable_step is None or newest > uploader.last_durable_step)
+        if newest is not None and (
+            uploader.last_durable_step is None or newest > uploader.last_durable_step
         ):
             uploader.enqueue(newest)  # the run's last checkpoint is always made durable
         left = uploader.close(self._durable_close_timeout)

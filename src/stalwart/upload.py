@@ -63,32 +63,25 @@ class Uploader:
         self._cond = threading.Condition()
         self._pending: list[int] = []
         self._inflight: int | None = None
-        self._committed_at: dict[int, float] = {}
         self._error: BaseException | None = None
         self._gave_up: set[int] = set()
         self._closing = False
-        self._wake = threading.Event()
         self.last_durable_step: int | None = None
         """Newest step this run knows to be committed in the durable tier."""
-        self.last_lag_s: float | None = None
-        """Seconds between the local and the durable commit of ``last_durable_step``."""
-        self.uploads = 0
         self._thread = threading.Thread(target=self._run, name="stalwart-upload", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ training side
 
-    def enqueue(self, step: int, *, committed_at: float | None = None) -> None:
+    def enqueue(self, step: int) -> None:
         """Queue committed local ``step`` for upload; drop the oldest waiting one beyond the limit."""
         with self._cond:
             if step in self._pending or step == self._inflight or step in self._gave_up:
                 return
             self._pending.append(step)
             self._pending.sort()
-            self._committed_at[step] = time.time() if committed_at is None else committed_at
             while len(self._pending) > self.max_pending:
                 dropped = self._pending.pop(0)
-                self._committed_at.pop(dropped, None)
                 self.events.emit(
                     "upload_skipped",
                     logging.WARNING,
@@ -104,11 +97,8 @@ class Uploader:
     @contextlib.contextmanager
     def holding(self) -> Iterator[set[int]]:
         """Steps that local retention must keep, held steady for the duration of the block."""
-        with self._cond:
-            protected = set(self._pending)
-            if self._inflight is not None:
-                protected.add(self._inflight)
-            yield protected
+        with self._cond:  # re-entrant: ``pending`` takes it again
+            yield set(self.pending)
 
     @property
     def pending(self) -> list[int]:
@@ -160,7 +150,6 @@ class Uploader:
                 left = self.pending
                 self._cond.notify_all()
             self.tier.stop()
-            self._wake.set()
             self._thread.join(timeout=30.0)
         return left
 
@@ -188,7 +177,8 @@ class Uploader:
                     self._cond.notify_all()
             if retry_later:
                 # The store is down: wait before the next round (close wakes us).
-                self._wake.wait(self.tier.retry.max_backoff)
+                with self._cond:
+                    self._cond.wait_for(lambda: self._closing, self.tier.retry.max_backoff)
 
     def _upload(self, step: int) -> bool:
         """Upload one step; True when it should be tried again later."""
@@ -237,13 +227,13 @@ class Uploader:
                 )
                 return False
             raise
-        committed_at = self._committed_at.pop(step, None)
-        lag = None if committed_at is None else max(0.0, time.time() - committed_at)
+        try:  # the manifest is written at the local commit
+            lag: float | None = max(0.0, time.time() - (path / MANIFEST_NAME).stat().st_mtime)
+        except OSError:
+            lag = None
         with self._cond:
             if self.last_durable_step is None or step >= self.last_durable_step:
                 self.last_durable_step = step
-                self.last_lag_s = lag
-            self.uploads += 1
         self.events.emit(
             "upload",
             step=step,

@@ -17,7 +17,7 @@ from stalwart.storage.durable import DurableTier, data_dir_name
 from stalwart.storage.local import LocalStorage
 
 from ..conftest import flip_byte
-from .conftest import FAST, run_events, use_endpoint
+from .conftest import FAST, run_events, use_endpoint, verify_durable
 
 
 def _checkpoint(directory: Path, step: int, *, seed: int = 0, width: int = 64) -> Path:
@@ -30,11 +30,17 @@ def _checkpoint(directory: Path, step: int, *, seed: int = 0, width: int = 64) -
     return LocalStorage(directory).step_path(step)
 
 
-def test_upload_commits_the_manifest_last_and_download_verifies(tmp_path, s3_env, s3_bucket):
+def test_upload_commits_the_manifest_last_and_download_verifies(
+    tmp_path, s3_env, s3_bucket, fault_proxy, monkeypatch
+):
     local = _checkpoint(tmp_path / "run", 10)
+    use_endpoint(monkeypatch, fault_proxy.endpoint)  # no faults: it only logs the requests
     tier = DurableTier(f"s3://{s3_bucket}/exp", retry=FAST)
     assert tier.committed_steps() == []
     result = tier.upload(local)
+    puts = [path for method, path, _outcome in fault_proxy.log if method == "PUT"]
+    assert puts[-1].endswith(f"/exp/step_000000010/{MANIFEST_NAME}")
+    assert not any(MANIFEST_NAME in path for path in puts[:-1])
     assert result.bytes > 0 and not result.already
     assert tier.committed_steps() == [10]
     manifest_bytes = (local / MANIFEST_NAME).read_bytes()
@@ -80,6 +86,44 @@ def test_a_step_without_manifest_does_not_exist_and_gc_removes_it_after_grace(
     target = tmp_path / "dl"
     target.mkdir()
     tier.download(5, target)  # the committed step is intact
+
+
+def test_a_crashed_local_write_s_temporary_file_is_an_orphan(tmp_path):
+    # The file:// client publishes each object from a private temporary file; a crash
+    # between the write and the link leaves that file, which gc must be able to see.
+    tier = DurableTier((tmp_path / "store").as_uri(), retry=FAST)
+    tier.upload(_checkpoint(tmp_path / "a", 5))
+    data = next(o.key for o in tier.client.list_objects() if o.key.endswith(".distcp"))
+    leftovers = [f"{data}.tmp-0123456789ab", f"step_000000005/{MANIFEST_NAME}.tmp-ba9876543210"]
+    for key in leftovers:
+        tier.client.put_bytes(key, b"partial")
+    groups = {g.name: g.committed for g in tier.orphan_groups()}
+    assert groups == {
+        f"{data.rsplit('/', 1)[0]}/": True,
+        f"step_000000005/{MANIFEST_NAME}.tmp-ba9876543210": True,
+    }
+    orphans = sorted(o.key for o in tier.orphans(older_than=0, now=time.time() + 1))
+    assert orphans == sorted(leftovers)
+    tier.remove(orphans)
+    verify_durable(tier, 5, tmp_path)  # the committed checkpoint kept every object it names
+
+
+def test_download_refuses_a_manifest_of_another_step_and_a_missing_data_object(
+    tmp_path, s3_env, s3_bucket
+):
+    tier = DurableTier(f"s3://{s3_bucket}/exp", retry=FAST)
+    tier.upload(_checkpoint(tmp_path / "a", 5))
+    manifest_bytes = tier.manifest_bytes(5)
+    # A manifest copied under another step's prefix does not pass for that step.
+    tier.client.put_bytes(f"step_000000006/{MANIFEST_NAME}", manifest_bytes)
+    (tmp_path / "six").mkdir()
+    with pytest.raises(stalwart.CheckpointCorruptError, match="says step 5"):
+        tier.download(6, tmp_path / "six")
+    data = f"step_000000005/{data_dir_name(manifest_bytes)}"
+    tier.remove([f"{data}/__0_0.distcp"])
+    (tmp_path / "five").mkdir()
+    with pytest.raises(stalwart.CheckpointCorruptError, match=r"__0_0\.distcp is missing"):
+        tier.download(5, tmp_path / "five")
 
 
 def test_two_writers_racing_for_one_step_exactly_one_commits(tmp_path, s3_env, s3_bucket):

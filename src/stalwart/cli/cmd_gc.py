@@ -55,7 +55,7 @@ from stalwart.errors import DurableStoreError, RunLockedError
 from stalwart.events import EVENTS_NAME, EventLog
 from stalwart.lock import LOCK_NAME, RunLock
 from stalwart.plan import parse_duration
-from stalwart.storage.durable import DurableTier
+from stalwart.storage.durable import DurableTier, OrphanGroup
 from stalwart.storage.remote import redact_url
 
 __all__ = ["add_parser", "collect_garbage", "collect_store_garbage", "run"]
@@ -322,27 +322,19 @@ def _sweep(path: Path, grace: float, corrupt: bool, dry_run: bool) -> dict[str, 
 def collect_store_garbage(tier: DurableTier, *, grace: float, dry_run: bool) -> dict[str, Any]:
     """Remove the tier's orphans older than ``grace`` (or only list them) and return the report.
 
-    ``DurableTier.orphans`` decides what no committed manifest refers to. Its
-    objects are grouped by data directory (``step_N/data-<h>/``; loose objects by
-    step prefix), and a group is removed only when its newest object is past the
-    grace period: the oldest objects of an upload still in progress may be older
-    than that, but not its newest.
+    ``DurableTier.orphan_groups`` decides what no committed manifest refers to,
+    one group per upload attempt (a data directory or a loose object); a group is
+    removed only when its newest object is past the grace period: the oldest
+    objects of an upload still in progress may be older than that, but not its
+    newest.
     """
     now = time.time()
     try:
-        committed = set(tier.committed_steps())
-        orphans = tier.orphans(older_than=0.0, now=now)
+        steps = tier.scan()
+        groups = tier.orphan_groups(steps)
     except (DurableStoreError, FileNotFoundError) as exc:
         raise store_error(exc) from None
-    groups: dict[str, list[Any]] = {}
-    for obj in orphans:
-        parts = obj.key.split("/")
-        prefix = "/".join(parts[:2]) + "/" if len(parts) > 2 else parts[0] + "/"
-        groups.setdefault(prefix, []).append(obj)
-    entries = [
-        _sweep_store(tier, prefix, objs, committed, grace, now, dry_run)
-        for prefix, objs in sorted(groups.items())
-    ]
+    entries = [_sweep_store(tier, group, grace, now, dry_run) for group in groups]
     removed = [e for e in entries if e["action"] in ("removed", "would remove")]
     return {
         "url": tier.url,
@@ -352,42 +344,34 @@ def collect_store_garbage(tier: DurableTier, *, grace: float, dry_run: bool) -> 
         "removed": len(removed),
         "objects_removed": sum(e["objects"] for e in removed),
         "bytes_freed": sum(e["bytes_freed"] for e in entries),
-        "committed_steps": len(committed),
+        "committed_steps": sum(1 for step in steps if step.committed),
         "entries": entries,
     }
 
 
 def _sweep_store(
-    tier: DurableTier,
-    prefix: str,
-    objects: list[Any],
-    committed: set[int],
-    grace: float,
-    now: float,
-    dry_run: bool,
+    tier: DurableTier, group: OrphanGroup, grace: float, now: float, dry_run: bool
 ) -> dict[str, Any]:
-    m = re.match(r"^step_(\d+)/", prefix)
-    step = None if m is None else int(m.group(1))
-    size = sum(o.size for o in objects)
-    age = now - max(o.modified for o in objects)
+    age = now - group.modified
     entry: dict[str, Any] = {
-        "name": prefix,
-        "path": f"{tier.url}/{prefix}",
-        "step": step,
-        "kind": "unreferenced" if step in committed else "incomplete",
+        "name": group.name,
+        "path": f"{tier.url}/{group.name}",
+        "step": group.step,
+        "kind": "unreferenced" if group.committed else "incomplete",
         "age_s": age,
-        "objects": len(objects),
-        "bytes": size,
+        "objects": len(group.objects),
+        "bytes": group.bytes,
         "action": "kept",
         "reason": (
-            "not the data of the committed manifest: a lost commit race or a failed attempt"
-            if step in committed
+            "not named by the committed manifest: a lost commit race, a failed attempt or "
+            "a crashed write's temporary file"
+            if group.committed
             else "no MANIFEST.json: an upload cut short (or in progress), or an interrupted "
             "deletion"
         ),
         "bytes_freed": 0,
         "error": None,
-        "keys": sorted(o.key for o in objects),
+        "keys": sorted(o.key for o in group.objects),
     }
     if age < grace:
         entry["reason"] = (
@@ -396,14 +380,14 @@ def _sweep_store(
         )
         return entry
     if dry_run:
-        entry.update(action="would remove", bytes_freed=size)
+        entry.update(action="would remove", bytes_freed=group.bytes)
         return entry
     try:
         tier.remove(entry["keys"])
     except (DurableStoreError, FileNotFoundError) as exc:
         entry.update(action="failed", error=str(exc))
         return entry
-    entry.update(action="removed", bytes_freed=size)
+    entry.update(action="removed", bytes_freed=group.bytes)
     return entry
 
 

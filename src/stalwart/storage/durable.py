@@ -43,7 +43,6 @@ from stalwart.manifest import MANIFEST_NAME, Manifest, hash_file
 from stalwart.storage.local import fsync_file, step_dir_name
 from stalwart.storage.remote import (
     CHUNK,
-    ObjectClient,
     RetryPolicy,
     open_client,
     read_chunks,
@@ -96,6 +95,26 @@ class RemoteStep:
         return max((o.modified for o in self.objects), default=0.0)
 
 
+@dataclasses.dataclass(slots=True)
+class OrphanGroup:
+    """The objects of one upload attempt that no committed manifest refers to."""
+
+    step: int
+    committed: bool
+    """True when the step has a committed manifest (and these are not its data)."""
+    name: str
+    """``step_N/data-<h>/`` for a data directory, else the key of a loose object."""
+    objects: list[Any]
+
+    @property
+    def bytes(self) -> int:
+        return sum(o.size for o in self.objects)
+
+    @property
+    def modified(self) -> float:
+        return float(max(o.modified for o in self.objects))
+
+
 class DurableTier:
     """A durable copy of a run's committed checkpoints under one object-store URL prefix.
 
@@ -110,13 +129,10 @@ class DurableTier:
         options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
         backend: str | None = None,
-        client: ObjectClient | None = None,
     ) -> None:
         self.retry = retry or RetryPolicy()
-        self.client = client or open_client(url, options=options, retry=self.retry, backend=backend)
+        self.client = open_client(url, options=options, retry=self.retry, backend=backend)
         self.url = self.client.url
-        self._retries = 0
-        self._retries_lock = threading.Lock()
         self._stop = threading.Event()
 
     def stop(self) -> None:
@@ -134,7 +150,7 @@ class DurableTier:
         ``retry`` overrides the tier's policy (a short deadline to probe the store).
         """
         steps: dict[int, RemoteStep] = {}
-        listing = self._retrying(self.client.list_objects, f"list {self.url}", None, None, retry)
+        listing = self._retrying(self.client.list_objects, f"list {self.url}", policy=retry)
         for info in listing:
             m = _STEP_KEY.match(info.key)
             if not m:
@@ -154,7 +170,7 @@ class DurableTier:
         """The exact MANIFEST.json of ``step``; FileNotFoundError when it is not committed."""
         key = f"{step_dir_name(step)}/{MANIFEST_NAME}"
         return self._retrying(  # type: ignore[no-any-return]
-            lambda: self.client.get_bytes(key), f"read {self.url}/{key}", None, None
+            lambda: self.client.get_bytes(key), f"read {self.url}/{key}"
         )
 
     def read_manifest(self, step: int) -> Manifest:
@@ -167,7 +183,6 @@ class DurableTier:
         self,
         checkpoint: Path,
         *,
-        should_stop: Callable[[], bool] | None = None,
         on_retry: Callable[[str, int, float, DurableStoreError], None] | None = None,
     ) -> TransferResult:
         """Copy the committed local checkpoint directory ``checkpoint`` to the tier and commit it.
@@ -180,13 +195,19 @@ class DurableTier:
         keeps failing past the retry deadline or refuses the request.
         """
         t0 = time.perf_counter()
-        retries_before = self._retries
+        retried: list[str] = []  # one entry per retry of any request of this upload
+
+        def noted(what: str, attempt: int, delay: float, error: DurableStoreError) -> None:
+            retried.append(what)
+            if on_retry is not None:
+                on_retry(what, attempt, delay, error)
+
         manifest_bytes = (checkpoint / MANIFEST_NAME).read_bytes()
         manifest = Manifest.from_json(manifest_bytes, source=str(checkpoint / MANIFEST_NAME))
         step = manifest.step
         prefix = step_dir_name(step)
         manifest_key = f"{prefix}/{MANIFEST_NAME}"
-        if self._committed_as(step, manifest_bytes, should_stop, on_retry):
+        if self._committed_as(step, manifest_bytes, noted):
             return TransferResult(step, 0, time.perf_counter() - t0, 0, already=True)
         data = f"{prefix}/{data_dir_name(manifest_bytes)}"
 
@@ -219,26 +240,24 @@ class DurableTier:
                         path=str(checkpoint / entry.path),
                     )
 
-            self._retrying(attempt, f"upload {key} to {self.url}", should_stop, on_retry)
+            self._retrying(attempt, f"upload {key} to {self.url}", on_retry=noted)
 
         try:
             self._parallel(put_file, manifest.files)
             self._retrying(
                 lambda: self._check_data(data, manifest),
                 f"check {data} in {self.url}",
-                should_stop,
-                on_retry,
+                on_retry=noted,
             )
             self._retrying(
                 lambda: self.client.put_bytes(manifest_key, manifest_bytes, create_only=True),
                 f"commit {manifest_key} to {self.url}",
-                should_stop,
-                on_retry,
+                on_retry=noted,
             )
         except FileExistsError:
             # Created between our first look and now: ours (a retried request whose
             # first try did succeed) or another writer's.
-            if not self._committed_as(step, manifest_bytes, should_stop, on_retry):
+            if not self._committed_as(step, manifest_bytes, noted):
                 raise  # pragma: no cover - _committed_as raised the conflict already
         except CheckpointCorruptError:
             self._forget(data)
@@ -247,7 +266,7 @@ class DurableTier:
             step,
             manifest.total_bytes + len(manifest_bytes),
             time.perf_counter() - t0,
-            self._retries - retries_before,
+            len(retried),
         )
 
     def _check_data(self, data: str, manifest: Manifest) -> None:
@@ -272,8 +291,7 @@ class DurableTier:
         self,
         step: int,
         manifest_bytes: bytes,
-        should_stop: Callable[[], bool] | None,
-        on_retry: Callable[[str, int, float, DurableStoreError], None] | None,
+        on_retry: Callable[[str, int, float, DurableStoreError], None],
     ) -> bool:
         """True if ``step`` is committed with exactly these manifest bytes; raise if with others."""
         key = f"{step_dir_name(step)}/{MANIFEST_NAME}"
@@ -281,8 +299,7 @@ class DurableTier:
             existing = self._retrying(
                 lambda: self.client.get_bytes(key),
                 f"read {key} from {self.url}",
-                should_stop,
-                on_retry,
+                on_retry=on_retry,
             )
         except FileNotFoundError:
             return False
@@ -315,7 +332,6 @@ class DurableTier:
         destination: Path,
         *,
         advance: Callable[[int], None] | None = None,
-        should_stop: Callable[[], bool] | None = None,
     ) -> bytes:
         """Fetch committed ``step`` into the empty directory ``destination``; return the manifest bytes.
 
@@ -349,8 +365,6 @@ class DurableTier:
                 blob = self._retrying(
                     lambda: self.client.get_range(key, start, end),
                     f"download {key} from {self.url}",
-                    should_stop,
-                    None,
                 )
             except FileNotFoundError as exc:
                 raise CheckpointCorruptError(
@@ -390,8 +404,6 @@ class DurableTier:
         self._retrying(
             lambda: self.client.delete([f"{prefix}/{MANIFEST_NAME}"]),
             f"delete {prefix}/{MANIFEST_NAME} from {self.url}",
-            None,
-            None,
         )
         try:
             keys = [o.key for o in self.client.list_objects(prefix + "/")]
@@ -399,36 +411,60 @@ class DurableTier:
         except DurableStoreError:
             pass  # the step no longer exists; its data is an orphan for gc
 
-    def orphans(self, *, older_than: float, now: float | None = None) -> list[Any]:
-        """Objects no committed manifest refers to, last modified more than ``older_than`` s ago.
+    def orphan_groups(self, steps: list[RemoteStep] | None = None) -> list[OrphanGroup]:
+        """Objects no committed manifest refers to, one group per upload attempt.
 
         A step prefix without a manifest is an upload in progress or cut short;
-        data directories beside a committed manifest that are not its own are a
-        lost race or a failed attempt. The grace period keeps uploads in progress
-        (by this run or another) out of reach.
+        beside a committed manifest, every object that manifest does not name is
+        a lost race, a failed attempt or a crashed write's temporary file. An
+        attempt is a data directory (``step_N/data-<h>/``) or a loose object.
+        ``steps`` is a ``scan()`` already made.
+        """
+        groups: list[OrphanGroup] = []
+        for entry in self.scan() if steps is None else steps:
+            prefix = step_dir_name(entry.step)
+            live = self._live_keys(entry) if entry.committed else set()
+            attempts: dict[str, list[Any]] = {}
+            for obj in entry.objects:
+                if obj.key in live:
+                    continue
+                head, sep, _rest = obj.key[len(prefix) + 1 :].partition("/")
+                attempts.setdefault(f"{prefix}/{head}{sep}", []).append(obj)
+            groups += [
+                OrphanGroup(entry.step, entry.committed, name, objs)
+                for name, objs in sorted(attempts.items())
+            ]
+        return groups
+
+    def orphans(self, *, older_than: float, now: float | None = None) -> list[Any]:
+        """The objects of ``orphan_groups`` whose newest object is more than ``older_than`` s old.
+
+        One attempt's objects go together, judged by its newest: an upload in
+        progress whose first objects are old is not partly removed.
         """
         now = time.time() if now is None else now
-        found = []
-        for entry in self.scan():
-            live = None
-            if entry.committed:
-                try:
-                    live = data_dir_name(self.manifest_bytes(entry.step))
-                except FileNotFoundError:
-                    live = None
-            prefix = step_dir_name(entry.step)
-            groups: dict[str, list[Any]] = {}
-            for obj in entry.objects:
-                rel = obj.key[len(prefix) + 1 :]
-                if entry.committed and (rel == MANIFEST_NAME or rel.split("/", 1)[0] == live):
-                    continue
-                groups.setdefault(rel.split("/", 1)[0], []).append(obj)
-            # One attempt's objects go together, judged by its newest: an upload in
-            # progress whose first objects are old is not partly removed.
-            for objs in groups.values():
-                if now - max(o.modified for o in objs) >= older_than:
-                    found.extend(objs)
-        return found
+        return [
+            obj
+            for group in self.orphan_groups()
+            if now - group.modified >= older_than
+            for obj in group.objects
+        ]
+
+    def _live_keys(self, entry: RemoteStep) -> set[str]:
+        """The keys committed ``entry``'s manifest names, the manifest included."""
+        prefix = step_dir_name(entry.step)
+        manifest_key = f"{prefix}/{MANIFEST_NAME}"
+        try:
+            manifest_bytes = self.manifest_bytes(entry.step)
+        except FileNotFoundError:
+            return {manifest_key}  # deleted since the listing: the rest is orphaned
+        data = f"{prefix}/{data_dir_name(manifest_bytes)}"
+        try:
+            files = Manifest.from_json(manifest_bytes, source=manifest_key).files
+        except (CheckpointCorruptError, ValueError):
+            # Unreadable: keep its whole data directory rather than guess.
+            return {manifest_key} | {o.key for o in entry.objects if o.key.startswith(data + "/")}
+        return {manifest_key} | {f"{data}/{f.path}" for f in files}
 
     def remove(self, keys: list[str]) -> None:
         """Delete objects by key (for gc), in batches."""
@@ -437,8 +473,6 @@ class DurableTier:
             self._retrying(
                 lambda batch=batch: self.client.delete(batch),  # type: ignore[misc]
                 f"delete from {self.url}",
-                None,
-                None,
             )
 
     # -------------------------------------------------------------- helpers
@@ -447,30 +481,27 @@ class DurableTier:
         self,
         operation: Callable[[], Any],
         what: str,
-        should_stop: Callable[[], bool] | None,
-        on_retry: Callable[[str, int, float, DurableStoreError], None] | None,
+        *,
+        on_retry: Callable[[str, int, float, DurableStoreError], None] | None = None,
         policy: RetryPolicy | None = None,
     ) -> Any:
         def note(attempt: int, delay: float, error: DurableStoreError) -> None:
-            with self._retries_lock:
-                self._retries += 1
             if on_retry is not None:
                 on_retry(what, attempt, delay, error)
-
-        def stop() -> bool:
-            return self._stop.is_set() or (should_stop is not None and should_stop())
 
         return with_retries(
             operation,
             policy or self.retry,
             what=what,
             on_retry=note,
-            should_stop=stop,
+            should_stop=self._stop.is_set,
             sleep=self._stop.wait,
         )
 
     @staticmethod
     def _parallel(fn: Callable[[Any], None], items: list[Any]) -> None:
+        """``fn`` over ``items`` on up to 8 threads; the first error (in item order) is raised
+        once the running calls end, and the calls not yet started are dropped."""
         if len(items) <= 1:
             for item in items:
                 fn(item)
@@ -478,11 +509,9 @@ class DurableTier:
         with concurrent.futures.ThreadPoolExecutor(
             max_workers=min(8, len(items)), thread_name_prefix="stalwart-transfer"
         ) as pool:
-            futures = [pool.submit(fn, item) for item in items]
-            error: BaseException | None = None
-            for future in futures:
-                exc = future.exception()
-                if exc is not None and error is None:
-                    error = exc
-            if error is not None:
-                raise error
+            try:
+                for _ in pool.map(fn, items):
+                    pass
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise

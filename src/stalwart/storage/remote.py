@@ -167,6 +167,11 @@ def _known_secrets(url: str, options: Mapping[str, Any]) -> list[str]:
     return secrets
 
 
+_BUGS = (TypeError, ValueError, AttributeError, NameError, AssertionError)
+"""Exceptions that are mistakes in code or arguments, not store failures: raised as they are,
+never classified or retried (obstore raises ValueError for a body it cannot send)."""
+
+
 def _join(prefix: str, key: str) -> str:
     return f"{prefix.rstrip('/')}/{key.lstrip('/')}" if prefix else key.lstrip("/")
 
@@ -194,7 +199,6 @@ def with_retries(
     on_retry: Callable[[int, float, DurableStoreError], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     sleep: Callable[[float], Any] = time.sleep,
-    rng: random.Random | None = None,
 ) -> T:
     """Run ``operation``, repeating it after transient ``DurableStoreError``s until the deadline.
 
@@ -204,7 +208,7 @@ def with_retries(
     True ends the waiting early (the manager is closing); ``sleep`` waits between
     tries (an ``Event.wait`` makes the wait itself interruptible).
     """
-    rng = rng or random.Random()
+    rng = random.Random()
     start = time.monotonic()
     attempt = 0
     while True:
@@ -238,7 +242,6 @@ class ObstoreClient:
         *,
         options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
-        checksums: bool = True,
     ) -> None:
         try:
             import obstore
@@ -277,7 +280,7 @@ class ObstoreClient:
         allow_env = os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes")
         if str(endpoint).startswith("http://") or allow_env:
             client_options.setdefault("allow_http", True)
-        if checksums and scheme in ("s3", "s3a"):
+        if scheme in ("s3", "s3a"):
             # The store verifies a SHA-256 of every request body and refuses a
             # mismatch (BadDigest): bytes damaged in transit are never stored.
             options.setdefault("checksum_algorithm", "sha256")
@@ -339,6 +342,8 @@ class ObstoreClient:
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         try:
             return fn()
+        except _BUGS:
+            raise  # a mistake in the calling code: retrying it for minutes would only hide it
         except Exception as exc:
             raise self._error(exc, what) from None
 
@@ -439,6 +444,8 @@ class FsspecClient:
             raise DurableStoreError(
                 f"{what} {self.url}: {self.redact(_short(exc))}", transient=False
             ) from None
+        except _BUGS:
+            raise
         except Exception as exc:
             raise DurableStoreError(
                 f"{what} {self.url}: {self.redact(_short(exc))}", transient=True
@@ -513,8 +520,6 @@ class FsspecClient:
                 if info.get("type") not in (None, "file"):
                     continue
                 rel = str(name)[len(root) :].lstrip("/") if root else str(name)
-                if ".tmp-" in rel.rsplit("/", 1)[-1]:
-                    continue  # a local write in progress (see _write_local)
                 out.append(
                     ObjectInfo(key=rel, size=int(info.get("size", 0)), modified=_mtime(info))
                 )
