@@ -192,6 +192,21 @@ def test_module_spec_is_imported_from_path(capsys, pristine_run, tmp_path):
     assert str(tmp_path.resolve()) not in sys.path, "sys.path is left as it was"
 
 
+def test_a_file_factory_imports_from_path_while_building(capsys, pristine_run, tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "spec").mkdir()
+    write_factory(tmp_path / "lib", "restore_test_helper_mod")
+    outer = tmp_path / "spec" / "outer.py"
+    outer.write_text(
+        "def build():\n    import restore_test_helper_mod\n\n    return restore_test_helper_mod.build()\n"
+    )
+    code, out, err = cli(
+        capsys, pristine_run, "--build", f"{outer}:build", "--path", tmp_path / "lib"
+    )
+    assert code == 0, out + err
+    assert str((tmp_path / "lib").resolve()) not in sys.path, "sys.path is left as it was"
+
+
 # ----------------------------------------------------------------------- the checkpoint fails
 
 
@@ -258,6 +273,14 @@ def test_bad_build_specs_are_usage_errors(capsys, pristine_run, tmp_path, spec, 
     code, _out, err = cli(capsys, pristine_run, "--build", spec.format(dir=tmp_path))
     assert code == 2
     assert_one_line_error(err, fragment)
+
+
+@pytest.mark.parametrize("flag", ["--rtol", "--atol"])
+def test_a_negative_tolerance_is_a_usage_error(capsys, pristine_run, tmp_path, flag):
+    factory = write_factory(tmp_path)
+    code, _out, err = cli(capsys, pristine_run, "--build", f"{factory}:build", flag, "-0.1")
+    assert code == 2
+    assert flag in err and "'-0.1' must be a finite number >= 0" in err
 
 
 def test_missing_run_is_a_usage_error(capsys, tmp_path):

@@ -27,6 +27,7 @@ from stalwart.cli.common import (
     format_value,
     make_console,
     new_table,
+    non_negative_float,
 )
 from stalwart.export import TensorEntry, iter_tensors, iter_values
 from stalwart.pipeline import verify_checkpoint
@@ -55,16 +56,6 @@ exit status (like diff(1)):
 
 _CHUNK_ELEMENTS = 1 << 22
 _PREVIEW = 80
-
-
-def _atol(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
-    return value
 
 
 def add_parser(subparsers: Any) -> None:
@@ -96,7 +87,7 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--atol",
-        type=_atol,
+        type=non_negative_float,
         default=0.0,
         metavar="X",
         help="elements with |a - b| <= X count as equal (default 0: exactly equal)",

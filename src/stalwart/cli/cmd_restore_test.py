@@ -50,6 +50,7 @@ from stalwart.cli.common import (
     make_console,
     name_step,
     new_table,
+    non_negative_float,
 )
 from stalwart.errors import StalwartError
 from stalwart.pipeline import load_checkpoint
@@ -142,20 +143,22 @@ def add_parser(subparsers: Any) -> None:
         help="fail unless the forward loss matches the manifest metric NAME (e.g. loss)",
     )
     parser.add_argument(
-        "--rtol", type=float, default=1e-4, help="relative tolerance of the metric comparison"
+        "--rtol",
+        type=non_negative_float,
+        default=1e-4,
+        help="relative tolerance of the metric comparison",
     )
     parser.add_argument(
-        "--atol", type=float, default=1e-6, help="absolute tolerance of the metric comparison"
+        "--atol",
+        type=non_negative_float,
+        default=1e-6,
+        help="absolute tolerance of the metric comparison",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
-    for name in ("rtol", "atol"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value >= 0):
-            raise UsageError(f"--{name} must be a finite number >= 0, got {value}")
     checkpoint = resolve_checkpoint(args.target, step=args.step)
     report = restore_test(
         checkpoint,
@@ -188,14 +191,11 @@ def load_factory(spec: str, *, paths: list[Path]) -> Callable[[], Any]:
     for p in paths:
         if not p.is_dir():
             raise UsageError(f"--path {p}: no such directory")
-    is_file = where.endswith(".py") or "/" in where or os.sep in where
-    if is_file:
-        file = Path(where)
-        if not file.is_file():
-            raise UsageError(f"--build {spec!r}: no such file {where}")
-        search = [file.resolve().parent, *paths]
-    else:
-        search = [*paths, Path.cwd()]
+    is_file = _is_file_spec(where)
+    file = Path(where)
+    if is_file and not file.is_file():
+        raise UsageError(f"--build {spec!r}: no such file {where}")
+    search = _search_dirs(where, paths)
     with _on_sys_path(search):
         try:
             module = _import_file(file) if is_file else importlib.import_module(where)
@@ -223,6 +223,17 @@ def load_factory(spec: str, *, paths: list[Path]) -> Callable[[], Any]:
         raise UsageError(f"--build {spec!r}: {attr} is a {type(obj).__name__}, not a function")
     factory: Callable[[], Any] = obj
     return factory
+
+
+def _is_file_spec(where: str) -> bool:
+    return where.endswith(".py") or "/" in where or os.sep in where
+
+
+def _search_dirs(where: str, paths: list[Path]) -> list[Path]:
+    """Where the factory's module, and what it imports while loading or building, are found."""
+    if _is_file_spec(where):
+        return [Path(where).resolve().parent, *paths]
+    return [*paths, Path.cwd()]
 
 
 @contextlib.contextmanager
@@ -257,9 +268,7 @@ def _import_file(file: Path) -> ModuleType:
 
 def _build(spec: str, *, paths: list[Path]) -> tuple[TrainState, Mapping[str, Any]]:
     factory = load_factory(spec, paths=paths)
-    where = spec.rpartition(":")[0]
-    search = [Path(where).resolve().parent] if where.endswith(".py") else [*paths, Path.cwd()]
-    with _on_sys_path(search):
+    with _on_sys_path(_search_dirs(spec.rpartition(":")[0], paths)):
         try:
             built = factory()
         except (Exception, SystemExit) as exc:
@@ -370,6 +379,7 @@ def restore_test(
         "loss": None,
         "metric": None,
     }
+    saved_metrics: dict[str, Any] = {}  # the manifest's, once loaded
 
     def load() -> tuple[str, str]:
         try:
@@ -382,7 +392,7 @@ def restore_test(
                 ) from None
             raise
         report["step"] = manifest.step
-        report["saved_metrics"] = manifest.metrics
+        saved_metrics.update(manifest.metrics)
         return "pass", (
             f"{len(manifest.files)} files ({format_bytes(manifest.total_bytes)}) checksummed, "
             "loaded strictly"
@@ -410,7 +420,7 @@ def restore_test(
 
     def metric() -> tuple[str, str]:
         name = expect_metric or "loss"
-        saved = report.get("saved_metrics", {}).get(name)
+        saved = saved_metrics.get(name)
         if not losses:
             return "skip", "no forward loss"
         if not isinstance(saved, (int, float)) or isinstance(saved, bool):
@@ -454,7 +464,6 @@ def restore_test(
     checks.run("forward", forward)
     checks.run("metric", metric)
     checks.run("train_step", one_step)
-    report.pop("saved_metrics", None)
     report["ok"] = not checks.failed
     return report
 

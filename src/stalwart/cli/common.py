@@ -7,8 +7,10 @@ goes through ``stalwart.safe_load``'s restricted reader).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
+import math
 import os
 import re
 import sys
@@ -70,6 +72,7 @@ __all__ = [
     "make_console",
     "name_step",
     "new_table",
+    "non_negative_float",
     "open_tier",
     "progress_bar",
     "read_history",
@@ -470,6 +473,17 @@ def progress_bar(total_bytes: int, description: str) -> Iterator[Callable[[int],
     with progress:
         task = progress.add_task(description, total=total_bytes)
         yield lambda n: progress.advance(task, n)
+
+
+def non_negative_float(text: str) -> float:
+    """argparse ``type=`` for a tolerance: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return value
 
 
 def format_bytes(n: int | None) -> str:
