@@ -41,11 +41,12 @@ from stalwart.cli.common import (
     read_history,
     scan,
     store_error,
+    strip_source,
 )
 from stalwart.errors import CheckpointCorruptError, DurableStoreError, UnsupportedFormatError
 from stalwart.manifest import MANIFEST_NAME, Manifest
 from stalwart.storage.base import StepEntry
-from stalwart.storage.durable import DurableTier, RemoteStep, data_dir_name
+from stalwart.storage.durable import DurableTier, RemoteStep, data_dir_name, size_mismatches
 from stalwart.storage.local import step_dir_name
 from stalwart.storage.remote import redact_url
 
@@ -257,23 +258,15 @@ def _fetch(tier: DurableTier, step: RemoteStep) -> bytes | None:
 def _store_row(tier: DurableTier, step: RemoteStep, blob: bytes | None) -> dict[str, Any]:
     name = step_dir_name(step.step)
     modified = step.modified or None
-    row: dict[str, Any] = {
-        "name": name,
-        "path": f"{tier.url}/{name}",
-        "step": step.step,
-        "status": "incomplete",
-        "checked": None,
-        "problems": [],
-        "created": None if modified is None else iso_utc(modified),
-        "created_unix": modified,
-        "bytes": step.bytes,
-        "files": len(step.objects),
-        "world_size": None,
-        "epoch": None,
-        "metrics": {},
-        "objects": len(step.objects),
-        "stored_bytes": step.bytes,
-    }
+    row = _base_row(name, f"{tier.url}/{name}", step.step, "incomplete")
+    row.update(
+        created=None if modified is None else iso_utc(modified),
+        created_unix=modified,
+        bytes=step.bytes,
+        files=len(step.objects),
+        objects=len(step.objects),
+        stored_bytes=step.bytes,
+    )
     if not step.committed:
         row["problems"] = [
             {
@@ -293,7 +286,7 @@ def _store_row(tier: DurableTier, step: RemoteStep, blob: bytes | None) -> dict[
     try:
         manifest = Manifest.from_json(blob, source=source)
     except (CheckpointCorruptError, UnsupportedFormatError) as exc:
-        reason = str(exc).removeprefix(source).lstrip(": ")
+        reason = strip_source(str(exc), source)
         row.update(status="corrupt", problems=[{"file": MANIFEST_NAME, "reason": reason}])
         return row
     _fill_from_manifest(row, manifest)
@@ -311,31 +304,25 @@ def _store_row(tier: DurableTier, step: RemoteStep, blob: bytes | None) -> dict[
 
 def _store_problems(step: RemoteStep, manifest: Manifest, data: str) -> list[Problem]:
     """Every file of ``manifest`` whose object is missing or has another size."""
-    prefix = f"{step_dir_name(step.step)}/{data}/"
-    sizes = {o.key[len(prefix) :]: o.size for o in step.objects if o.key.startswith(prefix)}
-    problems = []
-    for entry in manifest.files:
-        size = sizes.get(entry.path)
-        if size is None:
-            problems.append(
-                Problem(file=entry.path, reason=f"missing: no object {prefix}{entry.path}")
-            )
-        elif size != entry.size:
-            problems.append(
-                Problem(
-                    file=entry.path,
-                    reason=f"size mismatch (object has {size} bytes, manifest says {entry.size})",
-                )
-            )
-    return problems
+    prefix = f"{step_dir_name(step.step)}/{data}"
+    sizes = {o.key: o.size for o in step.objects}
+    return [
+        Problem(file=entry.path, reason=f"missing: no object {prefix}/{entry.path}")
+        if size is None
+        else Problem(
+            file=entry.path,
+            reason=f"size mismatch (object has {size} bytes, manifest says {entry.size})",
+        )
+        for entry, size in size_mismatches(sizes, prefix, manifest)
+    ]
 
 
-def _base_row(entry: StepEntry, history: RunHistory) -> dict[str, Any]:
+def _base_row(name: str, path: str, step: int | None, status: str) -> dict[str, Any]:
     return {
-        "name": entry.name,
-        "path": str(entry.path),
-        "step": entry.step,
-        "status": entry.status,
+        "name": name,
+        "path": path,
+        "step": step,
+        "status": status,
         "checked": None,
         "problems": [],
         "created": None,
@@ -345,8 +332,13 @@ def _base_row(entry: StepEntry, history: RunHistory) -> dict[str, Any]:
         "world_size": None,
         "epoch": None,
         "metrics": {},
-        "timings": history.timings.get(entry.step) if entry.step is not None else None,
     }
+
+
+def _local_row(entry: StepEntry, history: RunHistory) -> dict[str, Any]:
+    row = _base_row(entry.name, str(entry.path), entry.step, entry.status)
+    row["timings"] = history.timings.get(entry.step) if entry.step is not None else None
+    return row
 
 
 def _fill_from_manifest(row: dict[str, Any], manifest: Manifest) -> None:
@@ -382,7 +374,7 @@ def _committed_row(
     history: RunHistory,
     advance: Any,
 ) -> dict[str, Any]:
-    row = _base_row(entry, history)
+    row = _local_row(entry, history)
     row["checked"] = "checksum" if verify else "size"
     if isinstance(manifest, Problem):
         _fill_from_disk(row, entry.path)
@@ -406,7 +398,7 @@ def _committed_row(
 
 
 def _other_row(entry: StepEntry, history: RunHistory) -> dict[str, Any]:
-    row = _base_row(entry, history)
+    row = _local_row(entry, history)
     manifest = load_manifest(entry.path) if (entry.path / MANIFEST_NAME).is_file() else None
     if isinstance(manifest, Manifest):
         _fill_from_manifest(row, manifest)

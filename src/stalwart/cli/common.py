@@ -78,6 +78,7 @@ __all__ = [
     "read_history",
     "scan",
     "store_error",
+    "strip_source",
 ]
 
 EXIT_OK = 0
@@ -239,9 +240,15 @@ def load_manifest(checkpoint: Path) -> Manifest | Problem:
             reason="missing: the checkpoint was never committed (an unfinished or abandoned save)",
         )
     except UnsupportedFormatError as exc:
-        return Problem(file=MANIFEST_NAME, reason=_strip_source(str(exc), checkpoint))
+        return Problem(
+            file=MANIFEST_NAME,
+            reason=strip_source(str(exc), checkpoint / MANIFEST_NAME, checkpoint / _DCP_METADATA),
+        )
     except CheckpointCorruptError as exc:
-        return Problem(file=MANIFEST_NAME, reason=_strip_source(str(exc), checkpoint))
+        return Problem(
+            file=MANIFEST_NAME,
+            reason=strip_source(str(exc), checkpoint / MANIFEST_NAME, checkpoint / _DCP_METADATA),
+        )
 
 
 def check_files(
@@ -265,19 +272,23 @@ def check_metadata(checkpoint: Path) -> Problem | None:
     except CheckpointNotFoundError:
         return Problem(file=_DCP_METADATA, reason="missing: not a DCP checkpoint")
     except CheckpointCorruptError as exc:
-        return Problem(file=_DCP_METADATA, reason=_strip_source(str(exc), checkpoint))
+        return Problem(
+            file=_DCP_METADATA,
+            reason=strip_source(str(exc), checkpoint / MANIFEST_NAME, checkpoint / _DCP_METADATA),
+        )
     except OSError as exc:
         return Problem(file=_DCP_METADATA, reason=f"cannot read ({exc.strerror or exc})")
     return None
 
 
-def _strip_source(message: str, checkpoint: Path) -> str:
-    # Library messages start with the full file path; the CLI already names the file.
-    for prefix in (str(checkpoint / MANIFEST_NAME), str(checkpoint / _DCP_METADATA)):
-        if message.startswith(prefix + ": "):
-            return message[len(prefix) + 2 :]
-        if message.startswith(prefix + " "):
-            return message[len(prefix) + 1 :]
+def strip_source(message: str, *sources: str | Path) -> str:
+    """``message`` without a leading ``source: `` (library messages start with the file or
+    URL they are about; the CLI already names it)."""
+    for source in map(str, sources):
+        if message.startswith(source + ": "):
+            return message[len(source) + 2 :]
+        if message.startswith(source + " "):
+            return message[len(source) + 1 :]
     return message
 
 

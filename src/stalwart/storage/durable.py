@@ -39,7 +39,7 @@ from typing import Any
 import xxhash
 
 from stalwart.errors import CheckpointCorruptError, CommitConflictError, DurableStoreError
-from stalwart.manifest import MANIFEST_NAME, Manifest, hash_file
+from stalwart.manifest import MANIFEST_NAME, FileEntry, Manifest, hash_file
 from stalwart.storage.local import fsync_file, step_dir_name
 from stalwart.storage.remote import (
     CHUNK,
@@ -59,6 +59,15 @@ RANGE = 32 * 2**20
 def data_dir_name(manifest_bytes: bytes) -> str:
     """Where the data objects of the checkpoint with this exact manifest live."""
     return "data-" + xxhash.xxh3_64_hexdigest(manifest_bytes)
+
+
+def size_mismatches(
+    sizes: Mapping[str, int], data: str, manifest: Manifest
+) -> list[tuple[FileEntry, int | None]]:
+    """Each file of ``manifest`` whose object ``<data>/<path>`` is missing (None) or has
+    another size (that size); ``sizes`` maps object keys to sizes."""
+    found = ((entry, sizes.get(f"{data}/{entry.path}")) for entry in manifest.files)
+    return [(entry, size) for entry, size in found if size != entry.size]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -278,14 +287,12 @@ class DurableTier:
         is redone.
         """
         sizes = {o.key: o.size for o in self.client.list_objects(data + "/")}
-        for entry in manifest.files:
-            key = f"{data}/{entry.path}"
-            if sizes.get(key) != entry.size:
-                raise DurableStoreError(
-                    f"{self.url}/{key} is missing or has the wrong size just before the commit "
-                    f"(found {sizes.get(key)}, expected {entry.size}); uploading again",
-                    transient=True,
-                )
+        for entry, found in size_mismatches(sizes, data, manifest)[:1]:
+            raise DurableStoreError(
+                f"{self.url}/{data}/{entry.path} is missing or has the wrong size just before "
+                f"the commit (found {found}, expected {entry.size}); uploading again",
+                transient=True,
+            )
 
     def _committed_as(
         self,
