@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import stalwart
+from stalwart.manifest import MANIFEST_NAME
 from stalwart.storage.durable import DurableTier
 from stalwart.storage.remote import RetryPolicy
 
@@ -212,6 +213,27 @@ def test_ls_of_a_url_finds_a_missing_data_object(capsys, tmp_path, s3_env, s3_bu
     assert bad["problems"][0]["file"] == "__0_0.distcp"
     assert bad["problems"][0]["reason"].startswith("missing")
     assert report["latest_step"] == 6
+
+
+def test_ls_of_a_url_finds_an_unreadable_manifest_and_one_of_another_step(
+    capsys, tmp_path, s3_env, s3_bucket
+):
+    url = f"s3://{s3_bucket}/exp"
+    make_run(tmp_path / "run", url)
+    tier = DurableTier(url, retry=FAST)
+    tier.client.put_bytes(f"step_000000008/{MANIFEST_NAME}", b"{not json")
+    tier.client.put_bytes(f"step_000000009/{MANIFEST_NAME}", tier.manifest_bytes(4))
+    code, out, _err = cli(capsys, "ls", url, "--json")
+    assert code == 1
+    entries = {e["step"]: e for e in json.loads(out)["entries"]}
+    assert entries[8]["status"] == "corrupt" and entries[8]["problems"][0]["file"] == MANIFEST_NAME
+    assert not entries[8]["problems"][0]["reason"].startswith(url)  # the row names the file
+    assert entries[9]["status"] == "corrupt"
+    assert any(
+        "records step 4, but the prefix is step_000000009" in p["reason"]
+        for p in entries[9]["problems"]
+    )
+    assert entries[4]["status"] == entries[6]["status"] == "committed"
 
 
 # ----------------------------------------------------------------------------- gc URL

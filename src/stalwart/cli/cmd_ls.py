@@ -152,9 +152,10 @@ def list_run(run: Path, *, verify: bool, warn: TextIO) -> dict[str, Any]:
             else:
                 rows.append(_other_row(entry, history))
     durable = history.durable
+    durable_steps = durable.steps
     for row in rows:
         row["durable"] = (
-            None if durable.url is None or row["step"] is None else row["step"] in durable.steps
+            None if durable.url is None or row["step"] is None else row["step"] in durable_steps
         )
     counts = _counts(rows)
     committed = [r["step"] for r in rows if r["status"] == "committed"]

@@ -343,9 +343,8 @@ class DurableHistory:
     of the newest upload. A step restored from the tier (``download``) is in it.
     """
 
-    _opened: str | None = None
     _seen: str | None = None
-    _session: str | None = None
+    _session: str | None = None  # the durable URL of the newest ``open`` (None: none then)
     _tiers: dict[str, _TierRecord] = dataclasses.field(default_factory=dict)
 
     def feed(self, record: Mapping[str, Any]) -> None:
@@ -353,7 +352,7 @@ class DurableHistory:
         event = record.get("event")
         step = _int_step(record)
         if event == "open":
-            self._session = self._opened = _url(record.get("durable"))
+            self._session = _url(record.get("durable"))
             self._seen = self._session or self._seen
             return
         url = _url(record.get("url")) if event in ("upload", "download") else None
@@ -385,7 +384,7 @@ class DurableHistory:
     @property
     def url(self) -> str | None:
         """The run's durable URL (no credentials), or None when it never had one."""
-        return self._opened or self._seen
+        return self._session or self._seen
 
     def _tier(self) -> _TierRecord:
         url = self.url
