@@ -50,7 +50,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from run import filesystem_of, parse_size, size_label  # noqa: E402  (benchmarks/ is not a package)
+from report import _num  # noqa: E402  (benchmarks/ is not a package)
+from run import filesystem_of, parse_size, size_label  # noqa: E402
 
 MiB = 2**20
 BACKENDS = ("obstore", "fsspec")
@@ -479,10 +480,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ markdown
-
-
-def _num(value: float | None, fmt: str = "{:.2f}") -> str:
-    return "-" if value is None or math.isnan(value) else fmt.format(value)
 
 
 def _s(seconds: float) -> str:

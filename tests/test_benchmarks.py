@@ -122,11 +122,10 @@ def test_quick_mode_measures_the_durable_tier_with_both_backends(
     quick_run: tuple[Path, dict],
 ) -> None:
     out, results = quick_run
-    assert results["durable"] == {
-        "name": "durable-quick",
-        "error": None,
-        "elapsed_s": results["durable"]["elapsed_s"],
-    }
+    summary = results["durable"]
+    assert set(summary) == {"name", "error", "elapsed_s"}
+    assert summary["name"] == "durable-quick" and summary["error"] is None
+    assert summary["elapsed_s"] > 0
     durable = json.loads((out / "durable-quick.json").read_text(encoding="utf-8"))
     assert durable["error"] is None
     assert len(durable["sizes"]) == 1

@@ -21,7 +21,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 import stalwart
 
 
-def same(a: Any, b: Any, where: str = "") -> None:
+def assert_aliases_dcp(a: Any, b: Any, where: str = "") -> None:
+    """``a`` is ``b`` rebuilt: the same key order and types, tensors over the same memory
+    (not merely equal values, as conftest's ``assert_same`` checks), equal plain values."""
     assert type(a) is type(b), (where, type(a), type(b))
     if isinstance(a, torch.Tensor):
         assert a.data_ptr() == b.data_ptr() and a.shape == b.shape, where
@@ -30,11 +32,11 @@ def same(a: Any, b: Any, where: str = "") -> None:
     elif isinstance(a, dict):
         assert list(a) == list(b), (where, list(a), list(b))
         for k in a:
-            same(a[k], b[k], f"{where}.{k}")
+            assert_aliases_dcp(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            same(x, y, f"{where}[{i}]")
+            assert_aliases_dcp(x, y, f"{where}[{i}]")
     else:
         assert a == b, (where, a, b)
 
@@ -42,8 +44,8 @@ def same(a: Any, b: Any, where: str = "") -> None:
 def check(state: stalwart.TrainState) -> None:
     sd = state.state_dict()
     model_sd, optim_sd = get_state_dict(state.model, state.optimizers)
-    same(sd["model"], model_sd, "model")
-    same(sd["optimizer"], optim_sd, "optimizer")
+    assert_aliases_dcp(sd["model"], model_sd, "model")
+    assert_aliases_dcp(sd["optimizer"], optim_sd, "optimizer")
 
 
 def step(model: nn.Module, *optimizers: torch.optim.Optimizer, width: int = 8) -> None:

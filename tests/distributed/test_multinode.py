@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..conftest import assert_same
-from .test_torchrun import WORKER, final, ok, torchrun
+from ..support.torchrun import WORKER, final, ok, torchrun
 
 STEPS = 40
 

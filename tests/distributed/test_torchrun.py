@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,43 +19,9 @@ import pytest
 import torch
 
 from ..conftest import assert_same
+from ..support.torchrun import WORKER, final, ok, starts, torchrun
 
-WORKER = Path(__file__).with_name("worker.py")
 STEPS = 24
-
-
-def torchrun(
-    nproc: int, *args: str, restarts: int = 0, timeout: float = 240
-) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        f"--max-restarts={restarts}",
-        "--monitor-interval=0.2",
-        str(WORKER),
-        *args,
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
-
-
-def final(path: Path, nproc: int) -> dict:
-    out = torch.load(path, weights_only=False)
-    out["per_rank"] = [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(nproc)]
-    return out
-
-
-def starts(proc: subprocess.CompletedProcess[str]) -> list[int]:
-    """The step each rank started from, in order of its ``rank R start S`` report."""
-    return [int(step) for step in re.findall(r"rank \d+ start (\d+)", proc.stdout)]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from stalwart.storage.durable import DurableTier
 
 from ..conftest import assert_same
-from ..distributed.test_torchrun import final, ok, starts, torchrun
+from ..support.torchrun import final, ok, starts, torchrun
 
 
 @pytest.mark.slow

@@ -81,7 +81,7 @@ def test_node_loss_restores_from_durable_and_resumes_bit_exact(tmp_path, s3_env,
             ckpt.save(step, first.state)
     shutil.rmtree(run)  # the node and its disk are gone
 
-    second = make_parts(hidden=8)
+    second = make_parts()
     with stalwart.CheckpointManager(
         tmp_path / "node-b", durable=url, every_steps=4, durable_retry=FAST, handle_signals=False
     ) as ckpt:

@@ -338,13 +338,6 @@ class FaultProxy:
         with self._lock:
             return list(self._log)
 
-    def reset_counters(self) -> None:
-        with self._lock:
-            self._connections = 0
-            self._requests = 0
-            self._failures.clear()
-            self._log.clear()
-
     # -- lifecycle ----------------------------------------------------------------------
 
     @property

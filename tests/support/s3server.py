@@ -25,7 +25,7 @@ Measured on a 2-core machine (SeaweedFS 4.48): :meth:`S3Server.start` returns af
 about 1.2 s (1.4 s after 200 MB of uploads). ``-volume.preStopSeconds=0`` saves a
 further 3 s per stop: the default one-second pre-stop pause exists for volume servers
 in a cluster to hand over, which a single throwaway server does not need.
-``start_seconds`` and ``stop_seconds`` record the times of each run.
+``start_seconds`` records how long the start took.
 
 In roughly one stop in three or four, the volume server never finishes its SIGTERM
 shutdown: its graceful HTTP shutdown waits for keep-alive connections held by the
@@ -140,7 +140,6 @@ class S3Server:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: Path | None = None
         self.start_seconds: float | None = None
-        self.stop_seconds: float | None = None
 
     # -- public API -------------------------------------------------------------------
 
@@ -208,9 +207,7 @@ class S3Server:
         Safe to call more than once.
         """
         atexit.unregister(self.stop)
-        began = time.monotonic()
         self._teardown()
-        self.stop_seconds = time.monotonic() - began
 
     def create_bucket(self, name: str) -> None:
         """Create bucket ``name`` (a signed ``PUT /name``); raise with the server's reply on error.
