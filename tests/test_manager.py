@@ -296,6 +296,25 @@ def test_unpicklable_user_value_is_refused_at_save_and_nothing_is_committed(tmp_
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".step", "step"))]
 
 
+def test_a_component_failing_to_give_its_state_is_a_save_error_with_the_cause(tmp_path):
+    class Broken:
+        def state_dict(self) -> dict:
+            raise RuntimeError("the data stream lost its position")
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    good = make_parts()
+    with stalwart.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, good.state)
+        with pytest.raises(stalwart.CheckpointSaveError, match="lost its position") as caught:
+            ckpt.save(2, stalwart.TrainState(model=good.model, stream=Broken()))
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        assert ckpt.all_steps() == [1]  # the earlier checkpoint is untouched
+    failed = [e for e in read_events(tmp_path) if e["event"] == "save_failed"]
+    assert failed and failed[-1]["step"] == 2
+
+
 def test_bad_arguments_are_clear(tmp_path):
     with pytest.raises(ValueError, match="every_steps"):
         stalwart.CheckpointManager(tmp_path, every_steps=0)

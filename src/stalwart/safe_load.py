@@ -354,25 +354,25 @@ class SafeFileSystemReader(FileSystemReader):
         # whether to retry with rank=.
         if self._known_metadata is not None and kwargs.get("rank") is None:
             metadata = self._known_metadata
-            if metadata.storage_meta is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-        path = self._get_metadata_path(kwargs.get("rank"))
+        else:
+            metadata = self._read_metadata_file(kwargs.get("rank"))
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _read_metadata_file(self, rank: int | None) -> Metadata:
+        path = self._get_metadata_path(rank)
         where = os.fspath(path)
         try:
             try:
                 with self.fs.create_stream(path, "rb") as stream:
-                    metadata = _unpickle_metadata(cast(IO[bytes], stream), where)
+                    return _unpickle_metadata(cast(IO[bytes], stream), where)
             except FileNotFoundError as exc:
                 raise CheckpointNotFoundError(f"{where}: no DCP metadata file") from exc
         except StalwartError as exc:
             self.metadata_errors.append(exc)
             raise
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 def _weights_only_detail(exc: BaseException) -> str:
