@@ -39,11 +39,12 @@ from stalwart.pipeline import (
     write_and_commit,
 )
 from stalwart.policy import RetentionPolicy, SavePolicy
+from stalwart.progress import progress_bar
 from stalwart.state import TrainState
 from stalwart.storage.durable import DurableTier
 from stalwart.storage.local import LocalStorage
 from stalwart.storage.remote import RetryPolicy, is_url, redact_url
-from stalwart.upload import Uploader, transfer_progress
+from stalwart.upload import Uploader
 
 __all__ = ["CheckpointManager"]
 
@@ -772,8 +773,8 @@ class CheckpointManager:
         manifest = tier.read_manifest(step)
         staging = self.storage.begin(step)
         try:
-            with transfer_progress(
-                manifest.total_bytes, f"stalwart: downloading step {step}"
+            with progress_bar(
+                manifest.total_bytes, f"stalwart: downloading step {step}", min_bytes=64 * 2**20
             ) as advance:
                 manifest_bytes = tier.download(step, staging, advance=advance)
             self.storage.commit(staging, step, manifest_bytes.decode("utf-8"))

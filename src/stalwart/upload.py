@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +35,7 @@ from stalwart.policy import RetentionPolicy
 from stalwart.storage.durable import DurableTier
 from stalwart.storage.local import LocalStorage
 
-__all__ = ["Uploader", "transfer_progress"]
+__all__ = ["Uploader"]
 
 
 class Uploader:
@@ -279,39 +278,3 @@ class Uploader:
             if self._error is None:
                 self._error = exc
             self._cond.notify_all()
-
-
-@contextlib.contextmanager
-def transfer_progress(total: int, description: str) -> Iterator[Callable[[int], None]]:
-    """A rich progress bar on stderr for a large transfer when stderr is a terminal.
-
-    Yields ``advance(nbytes)``; elsewhere (logs, CI) it does nothing and the
-    events record the transfer instead.
-    """
-    if total < 64 * 2**20 or not sys.stderr.isatty():
-        yield lambda _n: None
-        return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    lock = threading.Lock()
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        transient=True,
-    ) as bar:
-        task = bar.add_task(description, total=total)
-
-        def advance(n: int) -> None:
-            with lock:
-                bar.advance(task, n)
-
-        yield advance

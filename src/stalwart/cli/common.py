@@ -13,22 +13,12 @@ import datetime
 import math
 import os
 import re
-import sys
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from rich import box
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
 
 from stalwart.errors import (
@@ -42,6 +32,7 @@ from stalwart.events import EVENTS_NAME, read_events
 from stalwart.lock import LOCK_NAME
 from stalwart.manifest import MANIFEST_NAME, Manifest
 from stalwart.pipeline import file_problems, read_manifest
+from stalwart.progress import progress_bar
 from stalwart.safe_load import read_dcp_metadata
 from stalwart.storage.base import StepEntry
 from stalwart.storage.durable import DurableTier
@@ -460,29 +451,6 @@ def make_console(stream: TextIO) -> Console:
     columns = os.environ.get("COLUMNS", "")
     width = int(columns) if columns.isdigit() and int(columns) > 0 else 200
     return Console(file=stream, highlight=False, no_color=True, width=width, color_system=None)
-
-
-@contextmanager
-def progress_bar(total_bytes: int, description: str) -> Iterator[Callable[[int], None]]:
-    """A byte progress bar on stderr when stderr is a terminal; yields ``advance(n)``.
-
-    The bar is transient (gone when done) so the report on stdout stays clean.
-    """
-    if not sys.stderr.isatty() or total_bytes <= 0:
-        yield lambda _n: None
-        return
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=Console(file=sys.stderr),
-        transient=True,
-    )
-    with progress:
-        task = progress.add_task(description, total=total_bytes)
-        yield lambda n: progress.advance(task, n)
 
 
 def non_negative_float(text: str) -> float:
