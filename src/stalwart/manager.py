@@ -30,7 +30,7 @@ from stalwart.errors import (
 )
 from stalwart.events import EVENTS_NAME, EventLog
 from stalwart.lock import RunLock
-from stalwart.manifest import Manifest, git_info, stable_hash, to_json_data
+from stalwart.manifest import MANIFEST_NAME, Manifest, git_info, stable_hash, to_json_data
 from stalwart.pipeline import (
     AsyncSaver,
     SaveResult,
@@ -42,7 +42,7 @@ from stalwart.policy import RetentionPolicy, SavePolicy
 from stalwart.progress import progress_bar
 from stalwart.state import TrainState
 from stalwart.storage.durable import DurableTier
-from stalwart.storage.local import LocalStorage
+from stalwart.storage.local import LocalStorage, step_dir_name
 from stalwart.storage.remote import RetryPolicy, is_url, redact_url
 from stalwart.upload import Uploader
 
@@ -770,13 +770,15 @@ class CheckpointManager:
 
     def _fetch(self, tier: DurableTier, step: int) -> None:
         t0 = time.perf_counter()
-        manifest = tier.read_manifest(step)
+        manifest_bytes = tier.manifest_bytes(step)
+        source = f"{tier.url}/{step_dir_name(step)}/{MANIFEST_NAME}"
+        manifest = Manifest.from_json(manifest_bytes, source=source)
         staging = self.storage.begin(step)
         try:
             with progress_bar(
                 manifest.total_bytes, f"stalwart: downloading step {step}", min_bytes=64 * 2**20
             ) as advance:
-                manifest_bytes = tier.download(step, staging, advance=advance)
+                tier.download(step, staging, advance=advance, manifest_bytes=manifest_bytes)
             self.storage.commit(staging, step, manifest_bytes.decode("utf-8"))
         except BaseException:
             self.storage.abort(staging)

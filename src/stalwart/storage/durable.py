@@ -339,6 +339,7 @@ class DurableTier:
         destination: Path,
         *,
         advance: Callable[[int], None] | None = None,
+        manifest_bytes: bytes | None = None,
     ) -> bytes:
         """Fetch committed ``step`` into the empty directory ``destination``; return the manifest bytes.
 
@@ -346,9 +347,11 @@ class DurableTier:
         checked against the manifest (size, xxh3-128) before this returns, so a
         damaged or incomplete remote copy raises ``CheckpointCorruptError`` and
         never reaches a reader. MANIFEST.json is not written into
-        ``destination``: the caller commits the directory with it.
+        ``destination``: the caller commits the directory with it. A caller that
+        read the manifest already passes its bytes (one request fewer).
         """
-        manifest_bytes = self.manifest_bytes(step)
+        if manifest_bytes is None:
+            manifest_bytes = self.manifest_bytes(step)
         source = f"{self.url}/{step_dir_name(step)}"
         manifest = Manifest.from_json(manifest_bytes, source=f"{source}/{MANIFEST_NAME}")
         if manifest.step != step:
