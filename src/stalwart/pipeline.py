@@ -522,12 +522,17 @@ class FileProblem:
     reason: str
     transient: bool = False
     """True when the file could not be read (an I/O error that may pass)."""
+    cause: OSError | None = None
+    """The I/O error behind a transient problem."""
 
     def error(self, checkpoint: Path) -> CheckpointCorruptError:
+        """The problem as an exception, its ``cause`` chained."""
         where = checkpoint / self.file
-        return CheckpointCorruptError(
+        error = CheckpointCorruptError(
             f"{where}: {self.reason}", path=str(where), transient=self.transient
         )
+        error.__cause__ = self.cause
+        return error
 
 
 def file_problems(
@@ -554,7 +559,9 @@ def file_problems(
         except FileNotFoundError:
             problems.append(FileProblem(entry.path, "missing (listed in the manifest)"))
         except OSError as exc:
-            problems.append(FileProblem(entry.path, f"cannot read ({exc.strerror or exc})", True))
+            problems.append(
+                FileProblem(entry.path, f"cannot read ({exc.strerror or exc})", True, exc)
+            )
         else:
             if size == entry.size:
                 sized.add(entry.path)
@@ -576,7 +583,7 @@ def file_problems(
         try:
             _size, digest = hash_file(path / entry.path)
         except OSError as exc:
-            return FileProblem(entry.path, f"cannot read ({exc.strerror or exc})", True)
+            return FileProblem(entry.path, f"cannot read ({exc.strerror or exc})", True, exc)
         finally:
             if advance is not None:
                 advance(entry.size)

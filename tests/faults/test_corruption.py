@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import os
 import random
 import subprocess
@@ -28,6 +29,7 @@ from hypothesis import strategies as st
 import stalwart
 from stalwart.cli.main import main
 from stalwart.manifest import MANIFEST_NAME
+from stalwart.pipeline import verify_checkpoint
 
 from ..conftest import Parts, assert_same, make_parts, snapshot, train_steps
 from .faulty import DAMAGES, FaultyStorage, checkpoint_files, copy_run, events_of, flip_byte
@@ -166,6 +168,10 @@ def test_read_error_skips_the_checkpoint_but_keeps_it(pristine: Pristine, tmp_pa
     skip = assert_skip_logged(run, 3, target)
     assert "cannot read" in skip["reason"]
     assert (run / STEP3).is_dir() and not moved_aside(run, 3)
+    with pytest.raises(stalwart.CheckpointCorruptError) as caught:
+        verify_checkpoint(run / STEP3)
+    assert caught.value.transient and isinstance(caught.value.__cause__, OSError)
+    assert caught.value.__cause__.errno == errno.ELOOP
 
     target.unlink()
     kept.rename(target)  # the read error is gone; so is the reason to skip step 3
