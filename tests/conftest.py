@@ -77,6 +77,15 @@ def snapshot(parts: Parts) -> dict:
     }
 
 
+def uninterrupted(steps: int, *, seed: int = 0, **parts_kwargs) -> dict:
+    """The snapshot of a run of ``steps`` training steps from ``seed`` that never stopped:
+    what a resumed run must end identical to."""
+    seed_all(seed)
+    parts = make_parts(**parts_kwargs)
+    train_steps(parts, steps)
+    return snapshot(parts)
+
+
 def assert_same(a: object, b: object, where: str = "") -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), where

@@ -15,7 +15,7 @@ import stalwart
 from stalwart.events import read_events
 from stalwart.manifest import MANIFEST_NAME
 
-from .conftest import assert_same, make_parts, seed_all, snapshot, train_steps
+from .conftest import assert_same, make_parts, seed_all, snapshot, train_steps, uninterrupted
 
 
 def test_restore_brings_back_every_part_of_the_state(tmp_path):
@@ -36,10 +36,7 @@ def test_restore_brings_back_every_part_of_the_state(tmp_path):
 
 
 def test_training_continues_identically_after_restore(tmp_path):
-    seed_all(0)
-    ref = make_parts()
-    train_steps(ref, 6)
-    want = snapshot(ref)
+    want = uninterrupted(6)
 
     seed_all(0)
     a = make_parts()
@@ -56,10 +53,7 @@ def test_training_continues_identically_after_restore(tmp_path):
 
 def test_save_before_the_first_optimizer_step_does_not_change_the_run(tmp_path):
     """get_state_dict initialises an empty optimizer state; the run must not see that."""
-    seed_all(0)
-    ref = make_parts()
-    train_steps(ref, 3)
-    want = snapshot(ref)
+    want = uninterrupted(3)
 
     seed_all(0)
     a = make_parts()
