@@ -42,6 +42,15 @@ __all__ = [
 logger = logging.getLogger("stalwart")
 T = TypeVar("T")
 
+# What gloo (and the TCP stack under it) says when the process at the other end is gone.
+_PEER_GONE = (
+    ("connection reset", "connection reset"),
+    ("connection closed", "connection closed"),
+    ("broken pipe", "broken pipe"),
+    ("connection refused", "connection refused"),
+    ("end of file", "connection closed"),
+)
+
 
 def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
     """True when torch.distributed is initialized (and this process is in ``group``)."""
@@ -110,12 +119,30 @@ class Coordinator:
         try:
             return fn()
         except (RuntimeError, ValueError, OSError) as exc:
-            self.broken = f"{what}: {exc}".splitlines()[0]
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self.broken = f"{what}: {detail}"
+            # The backend's traceback says nothing more than its first line, which the
+            # message keeps: no chained cause, so the user reads one line, not forty.
             raise CoordinationError(
-                f"checkpoint coordination ({self.name}) failed in {what} on rank {self.rank}: "
-                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__} "
-                f"(a rank died, hung past the {self.timeout:g} s timeout, or raised)"
-            ) from exc
+                f"{self.failure_headline(detail)}: checkpoint coordination ({self.name}) failed "
+                f"in {what} on rank {self.rank} ({detail})"
+            ) from None
+
+    def failure_headline(self, detail: str) -> str:
+        """What a failed collective most likely means, first: "rank 1 is gone (connection reset); ..."."""
+        text = detail.lower()
+        # With two ranks the peer is known; with more, gloo's message names an address only.
+        peer = f"rank {1 - self.rank}" if self.world_size == 2 else "another rank"
+        restart = "the job must restart (torchrun --max-restarts restarts it)"
+        for needle, reason in _PEER_GONE:
+            if needle in text:
+                return f"{peer} is gone ({reason}); {restart}"
+        if "timed out" in text or "timeout" in text:
+            return (
+                f"{peer} did not answer within the {self.timeout:g} s timeout (dead or hung); "
+                f"{restart}"
+            )
+        return f"a checkpoint collective failed (a rank died, hung or raised); {restart}"
 
     def broadcast(self, obj: T) -> T:
         """``obj`` of rank 0, on every rank."""
@@ -136,11 +163,15 @@ class Coordinator:
 
     def flags_max(self, *flags: bool) -> list[bool]:
         """Element-wise OR of boolean flags across ranks: one small all-reduce."""
+        return [bool(v) for v in self.max_ints(*flags)]
+
+    def max_ints(self, *values: int) -> list[int]:
+        """Element-wise maximum of integers (bools count as 0/1) across ranks: one small all-reduce."""
         if not self.distributed:
-            return list(flags)
-        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+            return [int(v) for v in values]
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
         self._run("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
-        return [bool(v) for v in t.tolist()]
+        return [int(v) for v in t.tolist()]
 
     def destroy(self) -> None:
         if self.group is not None and dist.is_initialized():

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from stalwart.certificate import Certificate, Verdict
 from stalwart.distributed import Coordinator
 from stalwart.errors import (
     CheckpointCorruptError,
@@ -278,6 +279,7 @@ class CheckpointManager:
         self.events = EventLog(
             self.directory / EVENTS_NAME if self.is_leader else None, rank=self.rank
         )
+        self._certificate = Certificate(self.directory, rank=self.rank, world_size=self.world_size)
         self._saver = AsyncSaver() if async_save else None
         self._uploader: Uploader | None = None
         self._commits = 0
@@ -447,12 +449,19 @@ class CheckpointManager:
         if self._saver is not None and not self._saver.busy:
             self._saver.wait()  # surface a failure of the previous background save now
         upload_failed = self._uploader is not None and self._uploader.failed
+        self._certificate.record(step, state.components.get("data"), metrics_json)
+        due_here = force or self.should_save(step)
         try:
-            signalled, due, upload_failed = self._coord.flags_max(
-                self._signalled.is_set(), force or self.should_save(step), upload_failed
+            # One all-reduce per call: the save decision, preemption, upload health and
+            # the resume certificate's progress travel together.
+            reduced = self._coord.max_ints(
+                self._signalled.is_set(), due_here, upload_failed, *self._certificate.flags()
             )
+            signalled, due, upload_failed = (bool(v) for v in reduced[:3])
+            diverged, pending, through = reduced[3:]
+            self._settle_certificate(diverged, pending, through)
         except CoordinationError as exc:
-            raise CheckpointSaveError(f"saving step {step} failed: {exc}") from exc
+            raise self._peer_failure(step if due_here else None, exc) from None
         if upload_failed:
             # Every rank stops here together; rank 0 has the reason.
             if self._uploader is not None:
@@ -470,7 +479,7 @@ class CheckpointManager:
         try:
             exists = self._coord.broadcast(exists)
         except CoordinationError as exc:
-            raise CheckpointSaveError(f"saving step {step} failed: {exc}") from exc
+            raise self._peer_failure(step, exc) from None
         if exists:
             self.events.emit(
                 "save_skipped",
@@ -500,7 +509,7 @@ class CheckpointManager:
             )
             manifest = self._manifest(step, state, metrics_json)
         except CoordinationError as exc:
-            raise CheckpointSaveError(f"saving step {step} failed: {exc}") from exc
+            raise self._peer_failure(step, exc) from None
         if local_error is not None:
             self.events.emit("save_failed", logging.ERROR, step=step, error=str(local_error))
             if isinstance(local_error, (TypeError, ValueError)):
@@ -653,9 +662,16 @@ class CheckpointManager:
         try:
             return self._restore(state, step=step, strict=strict)
         except CoordinationError as exc:
-            raise CheckpointCorruptError(
+            error = CheckpointCorruptError(
                 f"restoring from {self.directory} failed: {exc}", transient=True
-            ) from exc
+            )
+            self.events.emit("restore_failed", logging.ERROR, step=step, error=str(error))
+            raise error from None
+        except (StalwartError, OSError, ValueError, TypeError) as exc:
+            self.events.emit(
+                "restore_failed", logging.ERROR, step=step, error=f"{type(exc).__name__}: {exc}"
+            )
+            raise
 
     def _restore(self, state: TrainState, *, step: int | None, strict: bool) -> int | None:
         # The leader lists both tiers once, so every rank walks the same candidates.
@@ -704,6 +720,8 @@ class CheckpointManager:
                 elapsed = time.perf_counter() - t0
                 newer = [s for s in committed if s > candidate]
                 self.resharded = manifest.world_size != self.world_size
+                # Exactness is the certificate's verdict (resume_verified /
+                # resume_diverged) once the redone steps are compared, never claimed here.
                 self.events.emit(
                     "restore",
                     step=candidate,
@@ -712,9 +730,10 @@ class CheckpointManager:
                     bytes=manifest.total_bytes,
                     saved_world_size=manifest.world_size,
                     world_size=self.world_size,
-                    exact=not self.resharded,
+                    same_world_size=not self.resharded,
                     newer_steps=newer,
                 )
+                self._certificate.expect(candidate)
                 self._warn_if_ddp_resume_inexact(state)
                 self._last_save_time = time.monotonic()
                 self._last_saved_step = candidate
@@ -728,6 +747,40 @@ class CheckpointManager:
             incomplete=incomplete,
         )
         return None
+
+    # ------------------------------------------------------------ certificate
+
+    @property
+    def resume_verdict(self) -> Verdict | None:
+        """The exact-resume certificate of the last ``restore``, once the ranks agreed on it.
+
+        ``verdict.event`` is ``"resume_verified"`` (the redone steps matched the
+        lost attempt's fingerprints through ``verdict.through``),
+        ``"resume_diverged"`` (``verdict.divergence`` says where and why) or
+        ``"resume_unverified"`` (nothing to compare, ``verdict.reason``);
+        ``verdict.line()`` is the one-line summary. None before a restore and
+        while the redone steps are still being compared.
+        """
+        return self._certificate.verdict
+
+    def _settle_certificate(self, diverged: int, pending: int, through: int) -> None:
+        verdict = self._certificate.settle(diverged, pending, through, self._coord.all_gather)
+        if verdict is not None:
+            self._emit_verdict(verdict)
+
+    def _emit_verdict(self, verdict: Verdict) -> None:
+        if not self.is_leader:
+            return  # the verdict is the same on every rank: one event, one warning
+        level = logging.WARNING if verdict.event == "resume_diverged" else logging.INFO
+        self.events.emit(verdict.event, level, **verdict.fields())
+
+    def _peer_failure(self, step: int | None, exc: CoordinationError) -> CheckpointSaveError:
+        """The error of a failed ``save`` collective, with its event: what happened first, in one line."""
+        message = str(exc)
+        if step is not None:
+            message += f"; the checkpoint of step {step} was not written"
+        self.events.emit("save_failed", logging.ERROR, step=step, error=message)
+        return CheckpointSaveError(message)
 
     def _skip_bad(self, candidate: int, source: str, exc: CheckpointCorruptError) -> None:
         self.events.emit(
@@ -863,6 +916,10 @@ class CheckpointManager:
                 signal.signal(signum, handler)
             self._old_handlers.clear()
             self._lock.release()
+            verdict = self._certificate.finish()
+            if verdict is not None:
+                self._emit_verdict(verdict)
+            self._certificate.close()
             self.events.emit("close")
             for coord in (self._coord, self._async_coord):
                 if coord is not None:

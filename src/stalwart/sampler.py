@@ -39,14 +39,20 @@ together, padding included) consumed before the next batch.
 from __future__ import annotations
 
 import math
+import sys
+import warnings
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from stalwart.rng import derive_seed, isolated_cpu_rng
 
@@ -65,6 +71,14 @@ _TAG_ORDER = 0x6F72646572  # "order"
 _TAG_SAMPLE = 0x73616D706C65  # "sample"
 _TAG_BASE = 0x62617365  # "base"
 _STATE_KEYS = ("epoch", "consumed", "seed", "shuffle", "dataset_len")
+_CONTENT_LIMIT = 1 << 20
+"""Bytes of each tensor a batch-content digest reads (a prefix: the digest must stay cheap)."""
+_PREFETCH_WARNING = (
+    "a ResumableSampler is being iterated by a torch.utils.data.DataLoader with worker "
+    "processes: the workers prefetch, so the sampler's position runs ahead of the batches "
+    "the training loop consumed and a resume skips samples. Use stalwart.ResumableDataLoader "
+    "(same arguments as DataLoader), which counts what the loop consumed"
+)
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -160,6 +174,7 @@ class ResumableSampler(Sampler[int]):
         # writing its own idea of the position.
         self._generation = 0
         self._order_cache: tuple[int, torch.Tensor] | None = None
+        self._warned = False
 
     # --- position ---------------------------------------------------------------------
 
@@ -288,6 +303,9 @@ class ResumableSampler(Sampler[int]):
         self._generation += 1
         generation = self._generation
         epoch, start = self._epoch, self._consumed
+        if not self._warned and _under_prefetching_loader():
+            self._warned = True
+            warnings.warn(_PREFETCH_WARNING, UserWarning, stacklevel=2)
         for count, index in enumerate(self._rank_indices(epoch, start), start=1):
             if self._generation != generation:
                 raise RuntimeError(
@@ -306,6 +324,59 @@ class ResumableSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self._rank_count(0)
+
+    def position_digest(self) -> str:
+        """A digest (hex) of the position and the order it indexes, for the exact-resume certificate."""
+        key = (self._epoch, self._consumed, self.seed, self.shuffle, self._len, self.world_size)
+        return xxhash.xxh3_64_hexdigest(repr(key).encode())
+
+
+def _under_prefetching_loader(depth: int = 12) -> bool:
+    """True when a plain DataLoader with worker processes is pulling indices from this call stack.
+
+    Its iterator asks the sampler for ``prefetch_factor * num_workers`` batches
+    before the loop sees the first one, and keeps that many in flight. Looked up
+    once per pass (a few frames), never per index.
+    """
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if type(frame.f_locals.get("self")) is _MultiProcessingDataLoaderIter:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _content_digest(h: xxhash.xxh3_64, value: Any) -> bool:
+    """Feed a collated batch's content into ``h``; False when some part cannot be read cheaply.
+
+    CPU tensors and numpy arrays contribute their dtype, shape and up to
+    ``_CONTENT_LIMIT`` bytes; plain scalars and strings their ``repr``. A CUDA
+    tensor is not read (it would synchronise the device): the batch's indices
+    still identify it.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu" or value.is_sparse or value.is_nested:
+            return False
+        h.update(f"{value.dtype}{tuple(value.shape)}".encode())
+        flat = value.detach().reshape(-1)[: max(_CONTENT_LIMIT // max(value.element_size(), 1), 1)]
+        h.update(flat.contiguous().view(torch.uint8).numpy().tobytes())
+        return True
+    if isinstance(value, (list, tuple)):
+        return all([_content_digest(h, v) for v in value])
+    if isinstance(value, Mapping):
+        h.update(repr(sorted(map(str, value))).encode())
+        return all([_content_digest(h, value[k]) for k in value])
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        h.update(repr(value).encode())
+        return True
+    tobytes = getattr(value, "tobytes", None)
+    if callable(tobytes) and hasattr(value, "dtype") and hasattr(value, "shape"):
+        h.update(f"{value.dtype}{value.shape}".encode())
+        h.update(memoryview(tobytes())[:_CONTENT_LIMIT])
+        return True
+    return False
 
 
 class SeededSampler(Sampler[tuple[int, int]]):
@@ -424,6 +495,7 @@ class _Pass:
     start: int
     generation: int
     issued: deque[int] = field(default_factory=deque)  # sizes of issued batches, in issue order
+    keys: deque[int] = field(default_factory=deque)  # digests of their indices, same order
     returned: int = 0  # this rank's samples returned to the loop so far
 
 
@@ -462,6 +534,7 @@ class _ResumableBatchSampler(Sampler[list[Any]]):
             batch: list[Any] = (
                 [(i, sample_seed(seed, p.epoch, i)) for i in chunk] if self.seeded else chunk
             )
+            p.keys.append(xxhash.xxh3_64_intdigest(array("q", chunk).tobytes()))
             p.issued.append(len(batch))
             yield batch
 
@@ -504,10 +577,12 @@ class _LoaderIterator(Iterator[Any]):
                 # The DataLoader skips a batch whose loading raised (the next call returns
                 # the following batch), as an uninterrupted run would: it counts as consumed.
                 if p.issued:
+                    p.keys.popleft()
                     self._advance(p.issued.popleft())
                 raise
             else:
                 batch_size = p.issued.popleft()
+                self._loader._note_consumed(p.keys.popleft(), batch)
         if batch_size is None:
             assert not p.issued, "the DataLoader stopped with issued batches not returned"
             self._done = True
@@ -645,6 +720,7 @@ class ResumableDataLoader(DataLoader[Any]):
         self.resumable_sampler: ResumableSampler = sampler
         self.per_sample_seed = per_sample_seed
         self._current_pass: _Pass | None = None
+        self._reset_consumed()
         super().__init__(
             SeededDataset(dataset) if per_sample_seed else dataset,
             batch_size=batch_size,
@@ -698,6 +774,38 @@ class ResumableDataLoader(DataLoader[Any]):
         """
         self.resumable_sampler.load_state_dict(state_dict)
         self._current_pass = None
+        self._reset_consumed()
+
+    # --- the certificate's view -------------------------------------------------------
+
+    def _reset_consumed(self) -> None:
+        self._indices_hash = xxhash.xxh3_64()
+        self._content_hash = xxhash.xxh3_64()
+        self._content_known = True
+        self._batches_consumed = 0
+
+    def _note_consumed(self, keys: int, batch: Any) -> None:
+        self._indices_hash.update(keys.to_bytes(8, "little"))
+        if self._content_known:
+            self._content_known = _content_digest(self._content_hash, batch)
+        self._batches_consumed += 1
+
+    def take_fingerprint(self) -> tuple[str | None, str | None]:
+        """Digests (hex) of the indices and of the content of the batches returned since the last call.
+
+        Used by the exact-resume certificate once per step; resets the
+        digests. ``(None, None)`` when no batch was returned since; the
+        content digest is None when a batch held something it cannot read
+        cheaply (a CUDA tensor). Training thread only.
+        """
+        if self._batches_consumed == 0:
+            return None, None
+        out = (
+            self._indices_hash.hexdigest(),
+            self._content_hash.hexdigest() if self._content_known else None,
+        )
+        self._reset_consumed()
+        return out
 
     # --- iteration --------------------------------------------------------------------
 
