@@ -270,10 +270,10 @@ class Verdict:
             out["through"] = self.through
         if self.divergence is not None:
             out.update(self.divergence.to_json())
+            del out["cause"]  # the message says it, once
         if self.reason is not None:
             out["reason"] = self.reason
-        if self.divergence is None:
-            out["message"] = self.line()  # a divergence's fields already say it all
+        out["message"] = self.line()
         return out
 
 
