@@ -14,7 +14,7 @@ import datetime
 import html
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,15 @@ from stalwart.events import read_events
 
 __all__ = [
     "PROBLEM_EVENTS",
+    "VERDICT_EVENTS",
     "Timeline",
     "draw_timeline",
     "read_run",
     "read_timeline",
     "render_html",
+    "resume_verdicts",
     "summarize",
+    "verdict_mark",
 ]
 
 PROBLEM_EVENTS = (
@@ -37,6 +40,8 @@ PROBLEM_EVENTS = (
     "quarantine_failed",
     "delete_failed",
     "save_skipped",
+    "restore_failed",
+    "resume_diverged",
 )
 """Events that the report lists one by one, with their reason."""
 
@@ -142,7 +147,9 @@ def summarize(timeline: Timeline) -> dict[str, Any]:
                 "time": r["time"],
                 "step": r.get("step"),
                 "seconds": _number(r.get("seconds")),
-                "exact": r.get("exact"),
+                # Older events.jsonl called it "exact"; it only ever meant this.
+                "same_world_size": r.get("same_world_size", r.get("exact")),
+                "resume": verdict_mark(_verdict_of(timeline, r)),
             }
             for r in timeline.restores
         ],
@@ -154,12 +161,67 @@ def summarize(timeline: Timeline) -> dict[str, Any]:
                 "detail": str(
                     p.get("reason")
                     or p.get("error")
+                    or p.get("message")
                     or (f"moved to {p['path']}" if p.get("path") else "")
                 ),
             }
             for p in timeline.problems
         ],
     }
+
+
+def _verdict_of(timeline: Timeline, restore: dict[str, Any]) -> dict[str, Any] | None:
+    """The certificate's verdict on ``restore``: the first verdict event after it, before the next restore."""
+    later = [r for r in timeline.restores if r["time"] > restore["time"]]
+    until = later[0]["time"] if later else math.inf
+    for record in _verdicts(timeline):
+        if restore["time"] <= record["time"] < until and record.get("restored_step") == restore.get(
+            "step"
+        ):
+            return record
+    return None
+
+
+def _verdicts(timeline: Timeline) -> list[dict[str, Any]]:
+    return [r for r in timeline.all if r["event"] in VERDICT_EVENTS]
+
+
+# The exact-resume certificate's verdicts (written by stalwart.certificate via the manager).
+
+VERDICT_EVENTS = ("resume_verified", "resume_diverged", "resume_unverified")
+
+
+def verdict_mark(record: Mapping[str, Any] | None) -> str:
+    """A short mark for a restore's verdict event; ``None`` (a restore with no verdict) is "unchecked".
+
+    A restore without a verdict comes from a stalwart that did not check yet
+    (its ``exact`` field only meant "same world size"), or from a run still
+    redoing its steps.
+    """
+    if record is None:
+        return "unchecked"
+    event = record.get("event")
+    if event == "resume_verified":
+        return f"exact to {record.get('through')}"
+    if event == "resume_diverged":
+        return f"DIVERGED at {record.get('step')} (rank {record.get('rank')})"
+    return "unverified"
+
+
+def resume_verdicts(records: Iterable[Mapping[str, Any]]) -> dict[int, Mapping[str, Any] | None]:
+    """For each restored step, the verdict event of its last restore (None: no verdict recorded)."""
+    out: dict[int, Mapping[str, Any] | None] = {}
+    for record in records:
+        event = record.get("event")
+        if event == "restore":
+            step = record.get("step")
+            if isinstance(step, int) and not isinstance(step, bool):
+                out[step] = None
+        elif event in VERDICT_EVENTS:
+            step = record.get("restored_step")
+            if isinstance(step, int) and not isinstance(step, bool):
+                out[step] = record
+    return out
 
 
 _MARKERS: dict[str, tuple[str, str, str]] = {
@@ -172,6 +234,9 @@ _MARKERS: dict[str, tuple[str, str, str]] = {
     "quarantine_failed": ("s", "tab:red", "quarantine failed"),
     "delete_failed": ("d", "tab:red", "delete failed"),
     "save_failed": ("X", "tab:red", "save failed"),
+    "restore_failed": ("X", "tab:purple", "restore failed"),
+    "resume_verified": ("P", "tab:green", "resume verified exact"),
+    "resume_diverged": ("X", "tab:red", "resume diverged"),
 }
 
 
@@ -262,7 +327,9 @@ def draw_timeline(timeline: Timeline, path: Path, *, title: str = "") -> None:
         if name != "open":
             for r, t in zip(records, when(records), strict=True):
                 bottom.annotate(
-                    f"step {r.get('step')}",
+                    f"through {r.get('through')}"
+                    if name == "resume_verified"
+                    else f"step {r.get('step')}",
                     (t, y),
                     textcoords="offset points",
                     xytext=(4, 5),
@@ -284,6 +351,8 @@ def _records(timeline: Timeline, name: str) -> list[dict[str, Any]]:
         return timeline.restores
     if name == "open":
         return timeline.opens
+    if name == "resume_verified":
+        return [r for r in timeline.other if r["event"] == name]
     return [p for p in timeline.problems if p["event"] == name]
 
 
@@ -343,7 +412,8 @@ def render_html(run: str, summary: dict[str, Any], png: bytes | None) -> str:
     summary_rows = "\n".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in rows)
     restore_rows = "\n".join(
         f"<tr><td>{esc(_fmt_time(r['time']))}</td><td>{esc(str(r['step']))}</td>"
-        f"<td>{esc(_fmt_s(r['seconds']))}</td><td>{esc(str(r['exact']))}</td></tr>"
+        f"<td>{esc(_fmt_s(r['seconds']))}</td><td>{esc(str(r['same_world_size']))}</td>"
+        f"<td>{esc(r['resume'])}</td></tr>"
         for r in s["restores"]
     )
     problem_rows = "\n".join(
@@ -380,7 +450,8 @@ img {{ max-width: 100%; border: 1px solid #ddd; }}
 </table>
 <h2>restores</h2>
 <table>
-<tr><th>time</th><th>step</th><th>took</th><th>exact (same world size)</th></tr>
+<tr><th>time</th><th>step</th><th>took</th><th>same world size</th>
+<th>resume (exact-resume certificate)</th></tr>
 {restore_rows}
 </table>
 <h2>problems</h2>

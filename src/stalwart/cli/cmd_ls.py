@@ -44,7 +44,9 @@ from stalwart.cli.common import (
     strip_source,
 )
 from stalwart.errors import CheckpointCorruptError, DurableStoreError, UnsupportedFormatError
+from stalwart.events import read_events
 from stalwart.manifest import MANIFEST_NAME, Manifest
+from stalwart.report import resume_verdicts, verdict_mark
 from stalwart.storage.base import StepEntry
 from stalwart.storage.durable import DurableTier, RemoteStep, data_dir_name, size_mismatches
 from stalwart.storage.local import step_dir_name
@@ -60,6 +62,15 @@ statuses:
               deleted; never restored
   corrupt     a committed checkpoint that fails the check above, or one that restore
               moved aside (.step_*.corrupt-*) after it failed verification
+
+resumed (the exact-resume certificate, from events.jsonl):
+  exact to K       the last resume from this checkpoint redid the lost steps
+                   through K and every fingerprint (loss, batch, RNG) matched
+  DIVERGED at K    step K of the resume differed from the lost run (see
+                   events.jsonl's resume_diverged for the rank and the likely cause)
+  unverified       nothing to compare (no lost step recorded, or another world size)
+  unchecked        restored, but no verdict recorded (an older stalwart, or a run
+                   still redoing its steps)
 
 durable tier:
   For a run whose manager has durable=URL, the "durable" column says whether a
@@ -153,7 +164,9 @@ def list_run(run: Path, *, verify: bool, warn: TextIO) -> dict[str, Any]:
                 rows.append(_other_row(entry, history))
     durable = history.durable
     durable_steps = durable.steps
+    verdicts = _resume_verdicts(run)
     for row in rows:
+        row["resume"] = _resume_entry(verdicts, row["step"])
         row["durable"] = (
             None if durable.url is None or row["step"] is None else row["step"] in durable_steps
         )
@@ -166,6 +179,29 @@ def list_run(run: Path, *, verify: bool, warn: TextIO) -> dict[str, Any]:
         "counts": counts,
         "durable": _durable_summary(durable, committed, rows),
         "entries": rows,
+        "resumes": [
+            {"restored_step": step, **(_resume_entry(verdicts, step) or {})}
+            for step in sorted(verdicts)
+        ],
+    }
+
+
+def _resume_verdicts(run: Path) -> dict[int, Any]:
+    try:
+        return resume_verdicts(read_events(run))
+    except OSError:
+        return {}  # read_history has warned already
+
+
+def _resume_entry(verdicts: dict[int, Any], step: int | None) -> dict[str, Any] | None:
+    """The exact-resume certificate of the last restore from ``step`` (None: never restored)."""
+    if step is None or step not in verdicts:
+        return None
+    record = verdicts[step]
+    return {
+        "verdict": None if record is None else record.get("event"),
+        "mark": verdict_mark(record),
+        "message": None if record is None else record.get("message"),
     }
 
 
@@ -449,6 +485,7 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
         "world",
         "stall",
         "write",
+        "resumed",
         "metrics",
         right=("step", "size", "files", "world", "stall", "write"),
         wrap=("created", "metrics"),
@@ -469,11 +506,17 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
             "-" if e["world_size"] is None else str(e["world_size"]),
             format_seconds(timings.get("stall_s")),
             format_seconds(timings.get("write_s")),
+            _resume_cell(e.get("resume")),
             Text(format_mapping(e["metrics"])),
         )
     console.print(table)
     _print_problems(console, entries)
     _print_counts(console, report)
+    for resume in report.get("resumes", []):
+        text = resume["message"] or f"{resume['mark']} (no verdict recorded)"
+        console.print(
+            f"restored step {resume['restored_step']}: {text}", markup=False, soft_wrap=True
+        )
     if durable is not None:
         for line in _durable_lines(durable):
             console.print(line, markup=False, soft_wrap=True)
@@ -487,6 +530,14 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
 
 
 _DURABLE_MARK = {True: "yes", False: "no", None: "-"}
+
+
+def _resume_cell(resume: dict[str, Any] | None) -> Text:
+    """The "resumed" column: the certificate of the last resume from this checkpoint."""
+    if resume is None:
+        return Text("-")
+    style = {"resume_verified": "green", "resume_diverged": "bold red"}.get(resume["verdict"], "")
+    return Text(resume["mark"], style=style)
 
 
 def _print_problems(console: Any, entries: list[dict[str, Any]]) -> None:

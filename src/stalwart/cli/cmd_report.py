@@ -128,6 +128,10 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
         f"{format_bytes(s['last_checkpoint_bytes'])}",
         f"restores: {len(s['restores'])}; problems: {len(s['problems'])}",
     ]
+    for r in s["restores"]:
+        lines.append(
+            f"  {format_time(r['time'])} restore of step {r['step']}: resume {r['resume']}"
+        )
     for p in s["problems"]:
         lines.append(f"  {format_time(p['time'])} {p['event']} step {p['step']}: {p['detail']}")
     lines.append(f"wrote {report['png']}")
