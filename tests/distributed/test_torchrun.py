@@ -171,7 +171,7 @@ def test_resharding_restore(tmp_path: Path, kind: str, save_world: int, load_wor
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     restore = [e for e in events if e["event"] == "restore"][-1]
     assert restore["saved_world_size"] == save_world and restore["world_size"] == load_world
-    assert restore["exact"] is False
+    assert restore["same_world_size"] is False
     # DDP with 3+ ranks and find_unused_parameters=False resumes only to the last bits.
     warned = [e for e in events if "find_unused_parameters=True" in str(e.get("reason"))]
     assert bool(warned) == (kind == "ddp" and load_world >= 3), warned
