@@ -46,6 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from stalwart.events import read_events
+from stalwart.report import VERDICT_EVENTS
 
 HERE = Path(__file__).resolve().parent
 CHARLM = HERE / "charlm.py"
@@ -565,6 +566,20 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     outcome = (run_single if args.single else run_torchrun)(args, console, workdir)
+    # stalwart's own check of the resume: the redone steps' fingerprints against the lost ones.
+    certificate = next(
+        (
+            e
+            for e in reversed(list(read_events(outcome.run_dir)))
+            if e.get("event") in VERDICT_EVENTS
+        ),
+        None,
+    )
+    if certificate is None or certificate["event"] != "resume_verified":
+        outcome.problems.append(
+            "stalwart's certificate did not verify the resume: "
+            + (certificate or {}).get("message", "no verdict in events.jsonl")
+        )
 
     n_tensors = 0
     differ: list[str] = []
@@ -576,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(outcome.table)
     for problem in outcome.problems:
         console.print(f"[red]problem:[/] {problem}")
+    if certificate is not None:
+        console.print(f"certificate: {certificate.get('message')}", markup=False)
     if exact:
         ranks = "each rank's " if args.nproc > 1 else ""
         console.print(
@@ -606,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
             "problems": outcome.problems,
             "differ": differ,
             "tensors_compared": n_tensors,
+            "certificate": None if certificate is None else certificate.get("message"),
             **outcome.summary,
         }
         args.summary_json.write_text(json.dumps(summary, indent=2) + "\n")

@@ -73,6 +73,10 @@ def test_rank_sigkilled_under_torchrun_is_restarted_and_resumes_bit_exact(
     assert summary["tensors_compared"] > 50
     assert summary["saves"] == {"reference": 6, "first_attempt": 3, "after_restart": 3}
     assert "exact: yes" in proc.stdout
+    # stalwart's own verdict agrees; rank 0 recorded step 17 in the save rank 1 never reached.
+    line = "resume verified exact through step 17 on 2 ranks"
+    assert summary["certificate"] == line
+    assert f"certificate: {line}" in proc.stdout
 
 
 @pytest.mark.slow
@@ -96,6 +100,8 @@ def test_single_process_sigkilled_run_resumes_bit_exact(tmp_path: Path) -> None:
     assert summary["tensors_compared"] > 50
     assert summary["saves"] == {"reference": 6, "crashed": 3, "resumed": 3}
     assert "exact: yes" in proc.stdout
+    # The killed process recorded step 16, not 17: it died before that step's save.
+    assert summary["certificate"] == "resume verified exact through step 16 on 1 rank"
 
 
 @pytest.mark.slow
@@ -106,6 +112,8 @@ def test_resume_is_exact_when_the_worker_count_changes(tmp_path: Path) -> None:
     assert summary["crash_returncode"] == -signal.SIGKILL
     assert summary["resumed_from"] == 15
     assert summary["exact"], summary["differ"]
+    # Batch digests do not depend on the worker count: the certificate verifies too.
+    assert summary["certificate"] == "resume verified exact through step 16 on 1 rank"
 
 
 def test_compare_reports_a_one_ulp_difference(tmp_path: Path) -> None:
