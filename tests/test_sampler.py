@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import pytest
@@ -11,7 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data.distributed import DistributedSampler
 
-from stalwart.sampler import ResumableSampler, SeededSampler, sample_seed
+from stalwart.sampler import (
+    ResumableDataLoader,
+    ResumableSampler,
+    SeededDataset,
+    SeededSampler,
+    sample_seed,
+)
 
 sizes = st.integers(min_value=0, max_value=40)
 worlds = st.integers(min_value=1, max_value=4)
@@ -254,3 +261,52 @@ def test_sample_seed_depends_on_seed_epoch_and_index() -> None:
     base = sample_seed(0, 0, 0)
     assert len({base, sample_seed(1, 0, 0), sample_seed(0, 1, 0), sample_seed(0, 0, 1)}) == 4
     assert 0 <= base < 2**64
+
+
+# --- misuse: a sampler iterated ahead of the loop -----------------------------------------
+
+
+class _Squares(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index * index])
+
+
+def test_a_sampler_inside_a_dataloader_with_workers_warns_once_naming_the_fix() -> None:
+    sampler = ResumableSampler(64, seed=1)
+    loader = torch.utils.data.DataLoader(_Squares(), batch_size=4, sampler=sampler, num_workers=2)
+    with pytest.warns(UserWarning, match="Use stalwart.ResumableDataLoader") as caught:
+        for _ in zip(range(3), loader, strict=False):
+            pass
+    assert len(caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        next(iter(loader))  # a second pass: no second warning
+
+
+def test_a_seeded_sampler_inside_a_dataloader_with_workers_warns() -> None:
+    sampler = SeededSampler(ResumableSampler(64, seed=1))
+    dataset = SeededDataset(_Squares())
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=1)
+    with pytest.warns(UserWarning, match="ResumableDataLoader"):
+        next(iter(loader))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda s: iter(s),
+        lambda s: iter(torch.utils.data.DataLoader(_Squares(), batch_size=4, sampler=s)),
+        lambda s: iter(ResumableDataLoader(_Squares(), batch_size=4, sampler=s, num_workers=2)),
+    ],
+    ids=["standalone", "dataloader-without-workers", "resumable-dataloader-with-workers"],
+)
+def test_the_correct_uses_do_not_warn(make: Any) -> None:
+    sampler = ResumableSampler(64, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        it = make(sampler)
+        for _ in range(3):
+            next(it)
