@@ -312,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                 "threads": args.threads,
                 "runs": runs,
             }
+        print("exact-resume certificate:", file=sys.stderr, flush=True)
+        results["certificate"] = runner.run("certificate", "fingerprint cost per step")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     durable_md = ""

@@ -167,3 +167,32 @@ def test_durable_benchmark_says_so_when_the_s3_server_does_not_start(
     assert "Durable tier: not measured" in md and "weed' not found" in md
     section = run.durable_section(results, "durable-quick")
     assert "not measured" in section and "weed' not found" in section
+
+
+def test_quick_mode_measures_the_certificate_cost(quick_run: tuple[Path, dict]) -> None:
+    out, results = quick_run
+    cert = results["certificate"]
+    assert "error" not in cert, cert
+    for key in ("fingerprint_s", "fingerprint_data_s", "save_not_due_s", "tiny_step_s"):
+        assert positive(cert[key]), (key, cert)
+    assert "## Exact-resume certificate: cost per step" in (out / "quick.md").read_text()
+
+
+def test_certificate_job_measures_the_per_step_cost(tmp_path: Path) -> None:
+    """The job alone, small: every number is a real, positive time, and the markdown shows it."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_measure", ROOT / "benchmarks" / "measure.py"
+    )
+    assert spec is not None and spec.loader is not None
+    measure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(measure)
+    cert = measure.job_certificate(str(tmp_path), calls=100, rounds=2)
+    assert all(positive(cert[k]) for k in ("fingerprint_s", "save_not_due_s", "tiny_step_s"))
+    assert cert["fingerprint_x_tiny_step"] == cert["fingerprint_s"] / cert["tiny_step_s"]
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "benchmarks" / "report.py")
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    lines: list[str] = []
+    report._certificate_section({"certificate": cert}, lines.append)
+    assert any(line.startswith("| fingerprint (RNG digest") for line in lines)
