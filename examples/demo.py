@@ -141,13 +141,9 @@ def show_torchrun(line: str) -> str | None:
         return "torchrun: " + shorten(agent.group(1).split(" of binary: ")[0])
     failed = _SAVE_ERROR.match(line)
     if failed is not None:
-        # "saving step 190 failed: checkpoint coordination ... Connection reset by peer ...":
-        # the step and gloo's reason are what matter; the whole traceback is in the log.
-        what = failed.group(2).split(": ")[0]
-        cause = re.search(r"Connection [\w ]+|[Tt]imed out", failed.group(2))
-        return f"rank {failed.group(1)}: CheckpointSaveError: {what}" + (
-            f" ({cause.group(0)})" if cause else ""
-        )
+        # "rank 1 is gone (connection closed); the job must restart (...): checkpoint
+        # coordination ...": what happened comes first; the whole traceback is in the log.
+        return f"rank {failed.group(1)}: CheckpointSaveError: {failed.group(2).split(': ')[0]}"
     return None
 
 
