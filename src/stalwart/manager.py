@@ -439,6 +439,13 @@ class CheckpointManager:
         for the staging copy when async. Raises ``CheckpointSaveError`` if this
         save, or an earlier background save, failed; earlier checkpoints are
         never damaged by a failed save.
+
+        Every call, saving or not, also records the fingerprint of the step
+        that just ended for the exact-resume certificate (the ``loss`` metrics,
+        the batch digest of a ``ResumableDataLoader`` given as ``data=``, the
+        RNG digest; see ``stalwart.certificate``), so call it every step and
+        report the step's loss in ``metrics``. After a ``restore`` the redone
+        steps are compared with the lost run's; see :attr:`resume_verdict`.
         """
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
