@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -211,3 +212,20 @@ def test_ls_and_report_read_old_restore_events(
     assert code == 0 and "unchecked" in out
     (restore,) = summarize(read_run(run))["restores"]
     assert restore["same_world_size"] is True and restore["resume"] == "unchecked"
+
+
+def test_crafted_fingerprint_logs_are_ignored_without_hanging(tmp_path: Path) -> None:
+    """The run directory is input from outside: a FIFO, a symlink, a garbled log."""
+    run = tmp_path / "run"
+    parts = make_parts()
+    with stalwart.CheckpointManager(run) as ckpt:
+        ckpt.save(1, parts.state)
+    folder = run / certificate.FINGERPRINT_DIR / "rank-00000"
+    os.mkfifo(folder / "00000000000000000001-1.jsonl")
+    (folder / "00000000000000000002-1.jsonl").symlink_to("/etc/passwd")
+    (folder / "00000000000000000003-1.jsonl").write_text('{"step": 5, "losses": 3}\n[1]\n\x00\n')
+    with stalwart.CheckpointManager(run) as ckpt:
+        assert ckpt.restore(parts.state) == 1
+        ckpt.save(2, parts.state)
+        assert ckpt.resume_verdict is not None
+        assert ckpt.resume_verdict.event == "resume_unverified"

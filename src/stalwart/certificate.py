@@ -46,6 +46,7 @@ import logging
 import math
 import os
 import random
+import stat
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -75,6 +76,8 @@ KEEP_ATTEMPTS = 8
 """Attempt logs kept per rank; older ones are deleted when a new attempt starts."""
 _FORMAT = 1
 _MT_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624]; int pos
+_MAX_LOG_BYTES = MAX_RECORDS * 4096
+"""A segment larger than this was not written here (a record is about 200 bytes)."""
 
 
 def rng_digest() -> str:
@@ -342,7 +345,14 @@ def _read_log(path: Path) -> tuple[dict[str, Any] | None, list[Fingerprint]]:
     header: dict[str, Any] | None = None
     out: list[Fingerprint] = []
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # The run directory is input from outside: no symlink, no FIFO to block on,
+        # no file larger than a log this module can have written.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_LOG_BYTES:
+            os.close(fd)
+            logger.warning("ignoring %s: not a fingerprint log this run wrote", path)
+            return None, []
         with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
@@ -396,7 +406,6 @@ class Certificate:
         self._expected: dict[int, Fingerprint] = {}
         self._last_expected = -1
         self._restored: int | None = None
-        self._lost_attempt: str | None = None
         self._through = -1
         self._divergence: Divergence | None = None
         self._skip_reason: str | None = None
@@ -419,7 +428,7 @@ class Certificate:
         """Start verifying the steps after ``restored`` against the newest earlier attempt that ran them."""
         self._expected, self._last_expected = {}, -1
         self._through, self._divergence, self._skip_reason = -1, None, None
-        self._restored, self._lost_attempt, self.verdict = restored, None, None
+        self._restored, self.verdict = restored, None
         for name in reversed(_attempt_names(self.folder)):
             if name >= self.attempt:
                 continue
@@ -434,7 +443,7 @@ class Certificate:
                     f"{self.world_size}: per-rank steps are not comparable"
                 )
                 return
-            self._expected, self._lost_attempt = later, name
+            self._expected = later
             self._last_expected = max(later)
             return
         self._skip_reason = f"no earlier attempt recorded a step after step {restored}"

@@ -363,7 +363,7 @@ def _content_digest(h: xxhash.xxh3_64, value: Any) -> bool:
         t = value.detach()
         if t.is_contiguous() and t.nbytes <= _CONTENT_LIMIT:
             try:
-                h.update(t.numpy())  # the common case: no copy, a microsecond
+                h.update(t.numpy().data)  # the common case: no copy, a microsecond
                 return True
             except (TypeError, RuntimeError):
                 pass  # a dtype numpy lacks (bfloat16), a lazy conjugate
