@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args: argparse.Namespace, rank: int, world: int) -> int:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    data = make_tokens(args.run_dir.parent / f"{args.run_dir.name}-data" / "train.bin", 20_000)
+    data = make_tokens(args.run_dir / "data" / "train.bin", 20_000)
     get_batch = Batches(data, batch_size=args.batch_size, block_size=args.block_size)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model: nn.Module = GPT(block_size=args.block_size, n_layer=2, n_embd=32, n_head=2, dropout=0.1)
