@@ -229,3 +229,24 @@ def test_crafted_fingerprint_logs_are_ignored_without_hanging(tmp_path: Path) ->
         ckpt.save(2, parts.state)
         assert ckpt.resume_verdict is not None
         assert ckpt.resume_verdict.event == "resume_unverified"
+
+
+def test_a_resume_that_saves_at_other_steps_settles_past_the_lost_attempts_end(
+    tmp_path: Path,
+) -> None:
+    """The lost attempt called save at 6 and 7; the resumed run only at 6 and 8."""
+    run = tmp_path / "run"
+    seed_all(0)
+    parts = make_parts()
+    with stalwart.CheckpointManager(run, every_steps=5) as ckpt:
+        for s in range(7):
+            ckpt.save(s + 1, parts.state, metrics={"loss": step(parts)})
+    parts = make_parts()
+    with stalwart.CheckpointManager(run, every_steps=5) as ckpt:
+        assert ckpt.restore(parts.state) == 5
+        ckpt.save(6, parts.state, metrics={"loss": step(parts)})
+        assert ckpt.resume_verdict is None  # step 7 may still come
+        step(parts)
+        ckpt.save(8, parts.state, metrics={"loss": step(parts)})
+        verdict = ckpt.resume_verdict
+        assert verdict is not None and (verdict.event, verdict.through) == ("resume_verified", 6)

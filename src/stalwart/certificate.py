@@ -407,6 +407,7 @@ class Certificate:
         self._last_expected = -1
         self._restored: int | None = None
         self._through = -1
+        self._seen = -1
         self._divergence: Divergence | None = None
         self._skip_reason: str | None = None
         self.verdict: Verdict | None = None
@@ -427,7 +428,7 @@ class Certificate:
     def expect(self, restored: int) -> None:
         """Start verifying the steps after ``restored`` against the newest earlier attempt that ran them."""
         self._expected, self._last_expected = {}, -1
-        self._through, self._divergence, self._skip_reason = -1, None, None
+        self._through, self._seen, self._divergence, self._skip_reason = -1, -1, None, None
         self._restored, self.verdict = restored, None
         for name in reversed(_attempt_names(self.folder)):
             if name >= self.attempt:
@@ -464,6 +465,7 @@ class Certificate:
         self._log.append(fp.to_json())
         if not self.active or self._divergence is not None:
             return
+        self._seen = max(self._seen, step)
         before = self._expected.get(step)
         if before is None:
             return
@@ -476,7 +478,9 @@ class Certificate:
         if not self.active:
             return 0, 0, -1
         diverged = self._divergence is not None
-        pending = not diverged and self._through < self._last_expected
+        # Done once the run is past the lost attempt's last step, compared or not (a loop
+        # may call save at other steps than the lost attempt did).
+        pending = not diverged and self._seen < self._last_expected
         return int(diverged), int(pending), self._through
 
     def settle(
