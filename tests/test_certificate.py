@@ -250,3 +250,16 @@ def test_a_resume_that_saves_at_other_steps_settles_past_the_lost_attempts_end(
         ckpt.save(8, parts.state, metrics={"loss": step(parts)})
         verdict = ckpt.resume_verdict
         assert verdict is not None and (verdict.event, verdict.through) == ("resume_verified", 6)
+
+
+def test_a_sampler_given_as_data_is_fingerprinted_by_its_position() -> None:
+    a = stalwart.ResumableSampler(50, seed=4)
+    it = iter(a)
+    for _ in range(5):
+        next(it)
+    b = stalwart.ResumableSampler(50, seed=4)
+    b.load_state_dict(a.state_dict())
+    assert certificate.data_digests(a) == certificate.data_digests(b)
+    assert certificate.data_digests(a)[0] is not None
+    next(it)
+    assert certificate.data_digests(a) != certificate.data_digests(b)
