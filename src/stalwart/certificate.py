@@ -412,7 +412,7 @@ class Certificate:
         self._skip_reason: str | None = None
         self.verdict: Verdict | None = None
         """The agreed verdict of the last restore, once known (None before)."""
-        self._prune()
+        self._pruned = False
 
     def _prune(self) -> None:
         names = [n for n in _attempt_names(self.folder) if n != self.attempt]
@@ -462,6 +462,11 @@ class Certificate:
         fp = Fingerprint(
             step=step, losses=_losses(metrics), rng=rng_digest(), batch=batch, content=content
         )
+        if not self._pruned:
+            # Only an attempt that logs makes room: one that only restores (restore-test,
+            # a notebook) leaves the history as it is.
+            self._pruned = True
+            self._prune()
         self._log.append(fp.to_json())
         if not self.active or self._divergence is not None:
             return
