@@ -203,9 +203,27 @@ def _mutations() -> st.SearchStrategy[Any]:
 @settings(max_examples=300, deadline=None)
 @given(
     field=st.sampled_from(
-        ["format", "format_version", "step", "epoch", "created_unix", "world_size", "files",
-         "metadata", "config", "config_hash", "code", "versions", "hostname", "metrics",
-         "topology", "files.path", "files.size", "files.xxh3_128", "files.entry"]
+        [
+            "format",
+            "format_version",
+            "step",
+            "epoch",
+            "created_unix",
+            "world_size",
+            "files",
+            "metadata",
+            "config",
+            "config_hash",
+            "code",
+            "versions",
+            "hostname",
+            "metrics",
+            "topology",
+            "files.path",
+            "files.size",
+            "files.xxh3_128",
+            "files.entry",
+        ]
     ),
     value=_mutations(),
     resign=st.booleans(),

@@ -29,6 +29,7 @@ import dataclasses
 import datetime
 import errno
 import hashlib
+import io
 import json
 import math
 import os
@@ -37,7 +38,7 @@ import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import IO, Any
+from typing import Any
 
 import xxhash
 
@@ -96,7 +97,7 @@ def _open_no_follow(directory: str | os.PathLike[str], relative: str) -> int:
 @contextmanager
 def open_checkpoint_file(
     directory: str | os.PathLike[str], relative: str
-) -> Iterator[tuple[IO[bytes], int]]:
+) -> Iterator[tuple[io.FileIO, int]]:
     """Open ``directory/relative`` for reading as ``(binary file, size)``, refusing anything odd.
 
     The file is opened without following symbolic links (in ``relative``'s
@@ -126,7 +127,7 @@ def open_checkpoint_file(
                 path=where,
             )
         os.set_blocking(fd, True)
-        stream = os.fdopen(fd, "rb", buffering=0)
+        stream = io.FileIO(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
@@ -162,7 +163,7 @@ def hash_file(
         return _hash_stream(f)
 
 
-def _hash_stream(f: IO[bytes]) -> tuple[int, str]:
+def _hash_stream(f: io.FileIO) -> tuple[int, str]:
     h = xxhash.xxh3_128()
     size = 0
     buf = bytearray(_HASH_CHUNK)
