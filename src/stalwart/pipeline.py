@@ -533,7 +533,7 @@ def read_manifest(path: Path) -> Manifest:
     named = step_of_dir_name(path.name)
     if named is not None and named != manifest.step:
         raise CheckpointCorruptError(
-            f"{manifest_path}: records step {manifest.step}, but the directory is "
+            f"{manifest_path}: says step {manifest.step}, but the directory is "
             f"{path.name} (step {named}); a checkpoint renamed or copied to another "
             "step's name is not that step",
             path=where,

@@ -183,8 +183,24 @@ class DurableTier:
         )
 
     def read_manifest(self, step: int) -> Manifest:
+        """The validated manifest of committed ``step``; it must record that step.
+
+        Raises ``CheckpointCorruptError`` for a damaged manifest or one that
+        another step's (copied or renamed to this prefix), ``UnsupportedFormatError``
+        for a newer format, ``FileNotFoundError`` when ``step`` is not committed.
+        """
+        return self._identified(step, self.manifest_bytes(step))
+
+    def _identified(self, step: int, manifest_bytes: bytes) -> Manifest:
         source = f"{self.url}/{step_dir_name(step)}/{MANIFEST_NAME}"
-        return Manifest.from_json(self.manifest_bytes(step), source=source)
+        manifest = Manifest.from_json(manifest_bytes, source=source)
+        if manifest.step != step:
+            raise CheckpointCorruptError(
+                f"{source}: says step {manifest.step}, but it is stored as step {step}; "
+                "a checkpoint copied to another step's prefix is not that step",
+                path=source,
+            )
+        return manifest
 
     # --------------------------------------------------------------- upload
 
@@ -353,12 +369,7 @@ class DurableTier:
         if manifest_bytes is None:
             manifest_bytes = self.manifest_bytes(step)
         source = f"{self.url}/{step_dir_name(step)}"
-        manifest = Manifest.from_json(manifest_bytes, source=f"{source}/{MANIFEST_NAME}")
-        if manifest.step != step:
-            raise CheckpointCorruptError(
-                f"{source}/{MANIFEST_NAME} says step {manifest.step}",
-                path=f"{source}/{MANIFEST_NAME}",
-            )
+        manifest = self._identified(step, manifest_bytes)
         data = f"{step_dir_name(step)}/{data_dir_name(manifest_bytes)}"
         jobs: list[tuple[Any, int, int]] = []
         for entry in manifest.files:
