@@ -2,10 +2,8 @@
 
 import dataclasses
 import json
-from typing import Any
 
 import pytest
-import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,10 +14,11 @@ from stalwart.manifest import (
     MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
-    canonical_json,
     stable_hash,
     to_json_data,
 )
+
+from .hostile.harness import hostile_json, sign
 
 json_values = st.recursive(
     st.none()
@@ -75,18 +74,11 @@ def test_edited_manifest_fails_its_self_checksum():
         Manifest.from_json(json.dumps(data))
 
 
-def signed(data: dict[str, Any]) -> str:
-    """``data`` as a manifest whose self-checksum matches: what someone who can write the run makes."""
-    body = {k: v for k, v in data.items() if k != "manifest_xxh3_128"}
-    body["manifest_xxh3_128"] = xxhash.xxh3_128_hexdigest(canonical_json(body).encode())
-    return json.dumps(body, allow_nan=True)
-
-
 def test_newer_format_version_is_refused_with_the_fix():
     data = _manifest().to_dict()
     data["format_version"] = FORMAT_VERSION + 1
     with pytest.raises(UnsupportedFormatError, match="upgrade stalwart"):
-        Manifest.from_json(signed(data))
+        Manifest.from_json(sign(data))
 
 
 def test_a_flipped_bit_in_the_format_version_is_damage_not_a_newer_format():
@@ -102,7 +94,7 @@ def test_a_flipped_bit_in_the_format_version_is_damage_not_a_newer_format():
 def test_deeply_nested_manifest_is_corrupt_not_a_recursion_error(depth):
     data = _manifest().to_dict()
     data["metadata"] = {"deep": json.loads("[" * min(depth, 900) + "]" * min(depth, 900))}
-    text = signed(data) if depth <= 900 else ('{"a":' + "[" * depth + "]" * depth + "}")
+    text = sign(data) if depth <= 900 else ('{"a":' + "[" * depth + "]" * depth + "}")
     with pytest.raises(CheckpointCorruptError, match="nested deeper"):
         Manifest.from_json(text)
 
@@ -110,7 +102,7 @@ def test_deeply_nested_manifest_is_corrupt_not_a_recursion_error(depth):
 def test_nesting_up_to_the_limit_is_accepted():
     data = _manifest().to_dict()
     data["config"] = json.loads("[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1))
-    assert Manifest.from_json(signed(data)).config == data["config"]
+    assert Manifest.from_json(sign(data)).config == data["config"]
 
 
 @pytest.mark.parametrize(
@@ -137,7 +129,7 @@ def test_signed_bad_file_entries_are_corrupt(field, value):
     data = _manifest().to_dict()
     data["files"][0][field] = value
     with pytest.raises(CheckpointCorruptError, match="malformed manifest"):
-        Manifest.from_json(signed(data))
+        Manifest.from_json(sign(data))
 
 
 @pytest.mark.parametrize(
@@ -160,14 +152,14 @@ def test_signed_bad_fields_are_corrupt(field, value):
     data = _manifest().to_dict()
     data[field] = value
     with pytest.raises(CheckpointCorruptError, match="malformed manifest"):
-        Manifest.from_json(signed(data))
+        Manifest.from_json(sign(data))
 
 
 def test_a_file_listed_twice_is_corrupt():
     data = _manifest().to_dict()
     data["files"] = data["files"] * 2
     with pytest.raises(CheckpointCorruptError, match="listed twice"):
-        Manifest.from_json(signed(data))
+        Manifest.from_json(sign(data))
 
 
 def test_oversized_manifest_is_corrupt_before_parsing():
@@ -182,22 +174,6 @@ def test_nan_metrics_still_round_trip():
     m.metrics = {"loss": float("nan"), "grad": float("inf")}
     back = Manifest.from_json(m.to_json())
     assert back.metrics["grad"] == float("inf") and back.metrics["loss"] != back.metrics["loss"]
-
-
-def _mutations() -> st.SearchStrategy[Any]:
-    hostile = (
-        st.none()
-        | st.booleans()
-        | st.integers()
-        | st.floats()
-        | st.text(max_size=6)
-        | st.sampled_from([2**63, -(2**63), 10**30, "\x00", "../a", "/a", "a/../b"])
-    )
-    return st.recursive(
-        hostile,
-        lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids),
-        max_leaves=6,
-    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -225,7 +201,7 @@ def _mutations() -> st.SearchStrategy[Any]:
             "files.entry",
         ]
     ),
-    value=_mutations(),
+    value=hostile_json(),
     resign=st.booleans(),
 )
 def test_any_field_mutation_parses_or_raises_only_stalwart_errors(field, value, resign):
@@ -240,7 +216,7 @@ def test_any_field_mutation_parses_or_raises_only_stalwart_errors(field, value, 
     else:
         data[field] = value
     unchanged = data == _manifest().to_dict()
-    text = signed(data) if resign else json.dumps(data, allow_nan=True)
+    text = sign(data) if resign else json.dumps(data, allow_nan=True)
     try:
         m = Manifest.from_json(text)
     except (CheckpointCorruptError, UnsupportedFormatError):

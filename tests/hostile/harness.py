@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import xxhash
+from hypothesis import strategies as st
 
 import stalwart
 from stalwart.manifest import MANIFEST_NAME, canonical_json
@@ -37,8 +38,9 @@ ROOT = Path(__file__).parents[2]
 STEPS = (1, 2, 3)
 NEWEST = "step_000000003"
 PREVIOUS = "step_000000002"
-MEMORY_LIMIT = 4 * 2**30
-"""RLIMIT_AS of the worker: torch alone maps about 1.5 GiB of address space here."""
+MEMORY_LIMIT = 3 * 2**30
+"""RLIMIT_AS of the worker. Restoring the test run peaks at about 0.9 GiB of address
+space here (torch included); a reader that allocates what a crafted size declares fails."""
 CASE_SECONDS = 60.0
 """A restore of this tiny run takes well under a second; a case past this hangs."""
 FUZZ_EXAMPLES = int(os.environ.get("STALWART_FUZZ_EXAMPLES", "12"))
@@ -68,6 +70,23 @@ def build_pristine(run: Path) -> Pristine:
 
 
 # ------------------------------------------------------------------ manifests
+
+
+def hostile_json() -> st.SearchStrategy[Any]:
+    """JSON values meant to break a reader: huge and negative numbers, NaN, bad paths, nesting."""
+    leaves = (
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.floats()
+        | st.text(max_size=6)
+        | st.sampled_from([2**63, -(2**63), 10**30, "\x00", "../a", "/a", "a/../b", "a//b"])
+    )
+    return st.recursive(
+        leaves,
+        lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids),
+        max_leaves=6,
+    )
 
 
 def sign(body: dict[str, Any]) -> str:
