@@ -717,5 +717,16 @@ def load_checkpoint(
     native = state.native_target(metadata, strict=strict)
     if native:
         safe_load(native, path, process_group=group, metadata=metadata)
-    state.load_state_dict({**blobs, **native}, strict=strict)
+    try:
+        state.load_state_dict({**blobs, **native}, strict=strict)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        if isinstance(exc, StalwartError):
+            raise
+        # The right keys holding values of the wrong kind (a float where a list
+        # of parameters belongs): a checkpoint that does not fit this state, like
+        # one of another model, and never a bare TypeError out of restore.
+        raise StateMismatchError(
+            f"{path}: a value in the checkpoint does not fit the state "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
     return manifest

@@ -301,9 +301,15 @@ def judge_restore(pristine: Pristine, case: dict[str, Any], answer: dict[str, An
     """The outcome's name for the summary; raises AssertionError for anything not allowed.
 
     Allowed: None, or a step whose weights are that step's. A re-signed case may
-    also restore the newest step with other weights: loading their tensors is
-    what someone who can write the run can do.
+    also restore the newest step with other weights (loading their tensors is
+    what someone who can write the run can do), or raise StateMismatchError
+    (their checkpoint does not fit the state, as one of another model would not).
     """
+    if answer["outcome"] == "raised" and case.get("resign"):
+        # A re-signed checkpoint may be one of another model: refused loudly,
+        # as any checkpoint that does not fit the state is.
+        assert answer["type"] == "stalwart.errors.StateMismatchError", f"{case}: {answer}"
+        return "refused: state mismatch"
     assert answer["outcome"] == "restored", f"{case}: {answer}"
     assert answer["peak_bytes"] < MEMORY_LIMIT, answer
     step = answer["step"]
