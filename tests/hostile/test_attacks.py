@@ -18,7 +18,7 @@ import pytest
 import stalwart
 from stalwart.events import read_events
 
-from ..conftest import make_parts
+from ..conftest import cli, make_parts
 from .harness import NEWEST, Pristine, Worker, damage, fresh_copy, judge_restore, sign
 
 SIGNED_METADATA = [
@@ -194,3 +194,15 @@ def test_durable_copy_with_a_hostile_manifest_falls_back(
         assert ckpt.restore(make_parts().state) == 3
     skips = [e for e in read_events(run) if e.get("event") == "restore_skipped"]
     assert [(e["step"], e["source"]) for e in skips] == [(4, "durable")], skips
+
+
+def test_inspect_and_export_refuse_a_step_under_another_name(
+    pristine: Pristine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = fresh_copy(pristine, tmp_path)
+    damage(run, {"kind": "rename", "copy": True})
+    code, out, err = cli(capsys, "export", run / NEWEST, "--to", tmp_path / "w.safetensors")
+    assert code != 0 and "says step 2" in err, (out, err)
+    assert not (tmp_path / "w.safetensors").exists()
+    code, out, err = cli(capsys, "inspect", run / NEWEST)
+    assert code != 0 and "says step 2" in out + err, (out, err)
