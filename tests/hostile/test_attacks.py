@@ -17,6 +17,7 @@ import pytest
 
 import stalwart
 from stalwart.events import read_events
+from stalwart.storage.durable import DurableTier
 
 from ..conftest import cli, make_parts
 from .harness import NEWEST, Pristine, Worker, damage, fresh_copy, judge_restore, sign
@@ -206,3 +207,14 @@ def test_inspect_and_export_refuse_a_step_under_another_name(
     assert not (tmp_path / "w.safetensors").exists()
     code, out, err = cli(capsys, "inspect", run / NEWEST)
     assert code != 0 and "says step 2" in out + err, (out, err)
+
+
+def test_upload_never_reads_through_a_link(pristine: Pristine, tmp_path: Path) -> None:
+    """A data file linked out of the run (re-signed to match) is not read, nor sent to the store."""
+    run = fresh_copy(pristine, tmp_path)
+    damage(run, {"kind": "symlink", "file": "__0_0.distcp", "target": "outside", "resign": True})
+    tier = DurableTier(f"file://{tmp_path / 'store'}")
+    with pytest.raises(stalwart.CheckpointCorruptError, match="symbolic link") as err:
+        tier.upload(run / NEWEST)
+    assert err.value.path == str(run / NEWEST / "__0_0.distcp")
+    assert tier.committed_steps() == []
