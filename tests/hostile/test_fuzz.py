@@ -11,7 +11,9 @@ hypothesis and run in the memory- and time-limited worker:
 - ``metadata``: DCP metadata rebuilt from allowed classes with sizes, chunks,
   offsets, lengths and planner_data replaced, pickled again and re-signed.
 
-``STALWART_FUZZ_EXAMPLES`` sets the examples per class (``make fuzz`` runs many).
+``STALWART_FUZZ_EXAMPLES`` sets the examples per class (``make fuzz`` runs many); the
+summary is printed at the end of the session (``-s``) and written to the file
+``STALWART_FUZZ_REPORT`` names, if set.
 """
 
 from __future__ import annotations
