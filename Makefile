@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # torch==2.13.0 takes the local CPU build; a looser range may pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test lint typecheck pytest demo bench clean
+.PHONY: venv test lint typecheck pytest demo bench fuzz clean
 
 venv: $(VENV)/.installed
 
@@ -36,6 +36,13 @@ demo: venv
 
 bench: venv
 	$(PY) benchmarks/run.py
+
+# Hostile run directories, fuzzed long: FUZZ_EXAMPLES cases per class (the normal
+# test run does a few). Prints cases per class and damage, and their outcomes.
+FUZZ_EXAMPLES ?= 1000
+fuzz: venv
+	STALWART_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s --timeout=0 \
+		-p no:cacheprovider tests/hostile/test_fuzz.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -16,6 +16,7 @@ from stalwart.events import read_events
 from stalwart.manifest import MANIFEST_NAME
 
 from .conftest import assert_same, make_parts, seed_all, snapshot, train_steps, uninterrupted
+from .hostile.harness import sign
 
 
 def test_restore_brings_back_every_part_of_the_state(tmp_path):
@@ -263,20 +264,20 @@ def test_state_with_a_key_the_checkpoint_lacks_is_refused_unless_not_strict(tmp_
     assert_same(a.model.state_dict(), b.model.state_dict())
 
 
-def test_newer_format_version_is_refused_on_restore(tmp_path):
+def test_newer_format_version_is_skipped_by_restore_and_refused_for_its_step(tmp_path):
+    """An intact (self-checksummed) newer manifest: restore() goes on without it; step=N raises."""
     p = make_parts()
     with stalwart.CheckpointManager(tmp_path) as ckpt:
         ckpt.save(1, p.state)
     path = tmp_path / "step_000000001" / MANIFEST_NAME
     data = json.loads(path.read_text())
-    data.pop("manifest_xxh3_128")
     data["format_version"] = 99
-    path.write_text(json.dumps(data))
-    with (
-        stalwart.CheckpointManager(tmp_path) as ckpt,
-        pytest.raises(stalwart.UnsupportedFormatError, match="version 99"),
-    ):
-        ckpt.restore(p.state)
+    path.write_text(sign(data))
+    with stalwart.CheckpointManager(tmp_path) as ckpt:
+        assert ckpt.restore(p.state) is None
+        with pytest.raises(stalwart.UnsupportedFormatError, match="version 99"):
+            ckpt.restore(p.state, step=1)
+    assert path.is_file()
 
 
 def test_unpicklable_user_value_is_refused_at_save_and_nothing_is_committed(tmp_path):

@@ -8,6 +8,7 @@ import pathlib
 import pickle
 import random
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -356,6 +357,174 @@ def test_metadata_pointing_outside_the_checkpoint_is_refused(
     assert torch.equal(target["model"]["embed.weight"], stolen)
 
 
+# ------------------------------------------------- allowed classes, impossible numbers
+
+
+def _entry(metadata: Metadata, fqn: str) -> Any:
+    return metadata.state_dict_metadata[fqn]
+
+
+def _stored(metadata: Metadata, fqn: str) -> Any:
+    return next(info for index, info in metadata.storage_data.items() if index.fqn == fqn)
+
+
+def _negative_size(m: Metadata) -> None:
+    _entry(m, "model.proj.weight").size = torch.Size([-3, 4])
+
+
+def _huge_tensor(m: Metadata) -> None:
+    # 2**40 float32 elements: 4 TiB if a reader allocated the declared size.
+    entry = _entry(m, "model.proj.weight")
+    entry.size = torch.Size([2**20, 2**20])
+    entry.chunks[0].sizes = torch.Size([2**20, 2**20])
+
+
+def _huge_but_chunk_small(m: Metadata) -> None:
+    _entry(m, "model.proj.weight").size = torch.Size([2**20, 2**20])
+
+
+def _chunk_outside(m: Metadata) -> None:
+    _entry(m, "model.proj.weight").chunks[0].offsets = torch.Size([2, 0])
+
+
+def _chunk_wrong_rank(m: Metadata) -> None:
+    _entry(m, "model.proj.weight").chunks[0].sizes = torch.Size([3])
+
+
+def _data_past_file_end(m: Metadata) -> None:
+    _stored(m, "model.proj.weight").offset = 10**9
+
+
+def _chunk_bigger_than_its_bytes(m: Metadata) -> None:
+    _stored(m, "model.proj.weight").length = 8
+
+
+def _chunk_without_data(m: Metadata) -> None:
+    for index in list(m.storage_data):
+        if index.fqn == "model.proj.weight":
+            del m.storage_data[index]
+
+
+def _planner_data_not_a_dict(m: Metadata) -> None:
+    m.planner_data = ["model", "proj"]
+
+
+def _planner_data_huge_index(m: Metadata) -> None:
+    m.planner_data = {"extra.ints.0": ("extra", "ints", 2**40)}
+
+
+def _planner_data_bad_part(m: Metadata) -> None:
+    m.planner_data = {"extra.step": ("extra", 1.5)}
+
+
+@pytest.mark.parametrize(
+    ("tamper", "complaint"),
+    [
+        (_negative_size, "has size"),
+        (_huge_tensor, "needs 4398046511104 bytes"),
+        (_huge_but_chunk_small, "more than the"),
+        (_chunk_outside, "not inside it"),
+        (_chunk_wrong_rank, "not inside it"),
+        (_data_past_file_end, "which has"),
+        (_chunk_bigger_than_its_bytes, "its stored data has 8"),
+        (_chunk_without_data, "no stored data"),
+        (_planner_data_not_a_dict, "planner_data is a list"),
+        (_planner_data_huge_index, "list indices below"),
+        (_planner_data_bad_part, "list indices below"),
+    ],
+)
+def test_metadata_of_allowed_classes_with_impossible_numbers_is_corrupt(
+    checkpoint: Path, tamper: Callable[[Metadata], None], complaint: str
+) -> None:
+    """Checked before anything is allocated or indexed: corrupt, naming the file."""
+    metadata = _genuine_metadata(checkpoint)
+    tamper(metadata)
+    _write_metadata(checkpoint, metadata)
+    with pytest.raises(CheckpointCorruptError, match=complaint) as err:
+        read_dcp_metadata(checkpoint)
+    assert err.value.path == str(checkpoint / ".metadata")
+    with pytest.raises(CheckpointCorruptError, match=complaint):
+        safe_load(_trained_state(1), checkpoint)
+
+
+def test_genuine_metadata_passes_the_bounds_checks(checkpoint: Path) -> None:
+    metadata = read_dcp_metadata(checkpoint)
+    assert (
+        metadata.state_dict_metadata.keys()
+        == _genuine_metadata(checkpoint).state_dict_metadata.keys()
+    )
+
+
+def test_metadata_that_is_a_link_or_a_device_is_never_read(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """A symlink to /dev/zero would be read forever; a link elsewhere would load that file."""
+    real = tmp_path / "real.metadata"
+    (checkpoint / ".metadata").rename(real)
+    (checkpoint / ".metadata").symlink_to(real)
+    with pytest.raises(CheckpointCorruptError, match="symbolic link") as err:
+        read_dcp_metadata(checkpoint)
+    assert err.value.path == str(checkpoint / ".metadata")
+    (checkpoint / ".metadata").unlink()
+    os.mkfifo(checkpoint / ".metadata")
+    with pytest.raises(CheckpointCorruptError, match="a FIFO"):
+        read_dcp_metadata(checkpoint)
+
+
+def test_data_file_swapped_for_a_link_after_the_metadata_was_read_is_refused(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    metadata = read_dcp_metadata(checkpoint)
+    data = next(checkpoint.glob("*.distcp"))
+    moved = tmp_path / data.name
+    data.rename(moved)
+    data.symlink_to(moved)
+    with pytest.raises(CheckpointCorruptError, match="symbolic link"):
+        safe_load(_trained_state(1), checkpoint, metadata=metadata)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_any_numbers_in_allowed_metadata_load_or_raise_corrupt_within_the_data_size(
+    genuine_metadata: tuple[Path, bytes], data: st.DataObject
+) -> None:
+    """Sizes, offsets, lengths and planner_data replaced by any integers: bounded or refused."""
+    directory, original = genuine_metadata
+    metadata = pickle.loads(original)
+    numbers = st.integers(-5, 2**62) | st.sampled_from([0, 1, 2, 3, 6, 2**31, 2**40])
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if hasattr(entry, "size") and data.draw(st.booleans(), label=f"{fqn} size"):
+            entry.size = torch.Size(data.draw(st.lists(numbers, max_size=3), label="size"))
+        for chunk in getattr(entry, "chunks", []):
+            if data.draw(st.booleans(), label="chunk"):
+                chunk.sizes = torch.Size(data.draw(st.lists(numbers, max_size=3), label="sizes"))
+                chunk.offsets = torch.Size(data.draw(st.lists(numbers, max_size=3), label="off"))
+    for info in metadata.storage_data.values():
+        if data.draw(st.booleans(), label="storage"):
+            info.offset = data.draw(numbers, label="offset")
+            info.length = data.draw(numbers, label="length")
+    if data.draw(st.booleans(), label="planner"):
+        metadata.planner_data = data.draw(
+            st.dictionaries(
+                st.text(max_size=3), st.lists(numbers | st.text(max_size=2), max_size=3)
+            )
+            | st.none()
+            | st.integers(),
+            label="planner_data",
+        )
+    path = directory / ".metadata"
+    try:
+        path.write_bytes(pickle.dumps(metadata))
+        loaded = read_dcp_metadata(path)
+    except CheckpointCorruptError:
+        return
+    finally:
+        path.write_bytes(original)
+    data_bytes = sum(f.stat().st_size for f in directory.glob("*.distcp"))
+    rows = tensor_table(loaded)
+    assert sum(r["nbytes"] for r in rows if r["kind"] == "tensor") <= data_bytes
+
+
 # ------------------------------------------------------------ tampered non-tensor values
 
 
@@ -467,7 +636,7 @@ def test_safe_load_maps_missing_data_file_to_corrupt(checkpoint: Path) -> None:
         safe_load(_trained_state(1), checkpoint)
 
     assert isinstance(err.value.__cause__, CheckpointException)
-    assert "FileNotFoundError" in str(err.value)
+    assert "__0_0.distcp: missing (named by the DCP metadata)" in str(err.value)
 
 
 def test_safe_load_maps_key_missing_from_checkpoint_to_state_mismatch(

@@ -28,6 +28,7 @@ from stalwart.errors import (
     CoordinationError,
     DurableStoreError,
     StalwartError,
+    UnsupportedFormatError,
 )
 from stalwart.events import EVENTS_NAME, EventLog
 from stalwart.lock import RunLock
@@ -723,6 +724,20 @@ class CheckpointManager:
                 except CheckpointCorruptError as exc:
                     last_error = exc
                     self._skip_bad(candidate, source, exc)
+                    continue
+                except UnsupportedFormatError as exc:
+                    # An intact checkpoint of a newer stalwart: not ours to move aside,
+                    # and not a reason to stop the run; restore(step=N) of it raises.
+                    if step is not None:
+                        raise
+                    self.events.emit(
+                        "restore_skipped",
+                        logging.WARNING,
+                        step=candidate,
+                        source=source,
+                        reason=str(exc),
+                        file=None,
+                    )
                     continue
                 elapsed = time.perf_counter() - t0
                 newer = [s for s in committed if s > candidate]

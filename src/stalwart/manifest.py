@@ -27,13 +27,17 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import hashlib
+import io
 import json
 import math
 import os
+import stat
 import subprocess
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import xxhash
@@ -44,11 +48,14 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "MAX_JSON_DEPTH",
+    "MAX_MANIFEST_BYTES",
     "FileEntry",
     "Manifest",
     "canonical_json",
     "git_info",
     "hash_file",
+    "open_checkpoint_file",
     "stable_hash",
     "to_json_data",
 ]
@@ -57,22 +64,116 @@ FORMAT_NAME = "stalwart-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "MANIFEST.json"
 _SELF_CHECKSUM_KEY = "manifest_xxh3_128"
+_YEAR_10000 = 253_402_300_800  # created_unix past this has no ISO date (``created``)
 _HASH_CHUNK = 8 * 1024 * 1024
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+"""A MANIFEST.json larger than this is corrupt (a real one is kilobytes per thousand files)."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of lists and dicts a manifest may have (user config and metadata included)."""
+
+# O_NOFOLLOW: a checkpoint file that is a link could name any file on the machine.
+# O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_READ_FLAGS = os.O_RDONLY | _NO_FOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | _NO_FOLLOW | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
-    """Return ``(size, xxh3-128 hex)`` of a file, read in 8 MiB chunks."""
+def _open_no_follow(directory: str | os.PathLike[str], relative: str) -> int:
+    # Every component below ``directory`` is opened relative to its parent without
+    # following links, so neither the file nor a folder on its way can point out
+    # of the checkpoint. A link anywhere fails with ELOOP (or ENOTDIR).
+    parts = PurePosixPath(relative).parts
+    parent = os.open(directory, _DIR_FLAGS & ~_NO_FOLLOW)
+    try:
+        for part in parts[:-1]:
+            child = os.open(part, _DIR_FLAGS, dir_fd=parent)
+            os.close(parent)
+            parent = child
+        return os.open(parts[-1], _READ_FLAGS, dir_fd=parent)
+    finally:
+        os.close(parent)
+
+
+@contextmanager
+def open_checkpoint_file(
+    directory: str | os.PathLike[str], relative: str
+) -> Iterator[tuple[io.FileIO, int]]:
+    """Open ``directory/relative`` for reading as ``(binary file, size)``, refusing anything odd.
+
+    The file is opened without following symbolic links (in ``relative``'s
+    components too) and checked with ``fstat`` to be a regular file, so a link
+    out of the checkpoint, a FIFO or a device (``/dev/zero`` reads forever) is
+    never read. Raises ``OSError`` with ``errno.ELOOP`` for a link, ``OSError``
+    for other I/O failures and ``CheckpointCorruptError`` naming the file for
+    something that is not a regular file. Any thread; the file is closed on exit.
+    """
+    where = os.path.join(os.fspath(directory), relative)
+    try:
+        fd = _open_no_follow(directory, relative)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):  # EMLINK: the BSDs' answer
+            raise OSError(
+                errno.ELOOP,
+                "is a symbolic link; stalwart never follows links inside a checkpoint",
+                where,
+            ) from exc
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointCorruptError(
+                f"{where}: not a regular file ({_file_kind(info.st_mode)}); a checkpoint "
+                "holds only regular files",
+                path=where,
+            )
+        os.set_blocking(fd, True)
+        stream = io.FileIO(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with stream:
+        yield stream, info.st_size
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return f"file mode {mode:o}"
+
+
+def hash_file(
+    path: str | os.PathLike[str], *, within: str | os.PathLike[str] | None = None
+) -> tuple[int, str]:
+    """Return ``(size, xxh3-128 hex)`` of a file, read in 8 MiB chunks.
+
+    With ``within``, ``path`` is relative to that checkpoint directory and is read
+    through ``open_checkpoint_file`` (no links, regular files only).
+    """
+    if within is not None:
+        with open_checkpoint_file(within, os.fspath(path)) as (f, _size):
+            return _hash_stream(f)
+    with open(path, "rb", buffering=0) as f:
+        return _hash_stream(f)
+
+
+def _hash_stream(f: io.FileIO) -> tuple[int, str]:
     h = xxhash.xxh3_128()
     size = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_HASH_CHUNK)
-        view = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-            size += n
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    while True:
+        n = f.readinto(buf)
+        if not n:
+            break
+        h.update(view[:n])
+        size += n
     return size, h.hexdigest()
 
 
@@ -238,69 +339,179 @@ class Manifest:
     def from_json(cls, text: str | bytes, *, source: str = MANIFEST_NAME) -> Manifest:
         """Parse and validate a manifest; ``source`` names the file in error messages.
 
-        Raises ``CheckpointCorruptError`` for anything unreadable or inconsistent and
-        ``UnsupportedFormatError`` for a newer format version.
+        The manifest is input from outside, so it is bounded before it is
+        trusted: at most ``MAX_MANIFEST_BYTES`` and ``MAX_JSON_DEPTH`` deep, its
+        self-checksum checked before any field is read (``format_version``
+        included, so a flipped bit there is damage, not a newer format), then
+        every field's type and range. Raises ``CheckpointCorruptError`` for
+        anything unreadable or inconsistent (never another exception) and
+        ``UnsupportedFormatError`` for an intact manifest of a newer format version.
         """
-        try:
-            data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CheckpointCorruptError(f"{source}: not valid JSON ({exc})", path=source) from exc
-        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-            raise CheckpointCorruptError(
-                f'{source}: not a stalwart manifest (missing "format": {FORMAT_NAME!r})',
-                path=source,
+        data = _parse_bounded_json(text, source)
+
+        def corrupt(what: str) -> CheckpointCorruptError:
+            return CheckpointCorruptError(f"{source}: {what}", path=source)
+
+        if not isinstance(data, dict):
+            raise corrupt(f'not a stalwart manifest (missing "format": {FORMAT_NAME!r})')
+        claimed = data.pop(_SELF_CHECKSUM_KEY, None)
+        actual = xxhash.xxh3_128_hexdigest(canonical_json(data).encode())
+        if claimed != actual:
+            if data.get("format") != FORMAT_NAME:
+                raise corrupt(f'not a stalwart manifest (missing "format": {FORMAT_NAME!r})')
+            raise corrupt(
+                f"manifest checksum mismatch (recorded {_short(claimed)}, computed {actual}); "
+                "the manifest was modified or damaged"
             )
+        if data.get("format") != FORMAT_NAME:
+            raise corrupt(f'not a stalwart manifest (missing "format": {FORMAT_NAME!r})')
         version = data.get("format_version")
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise CheckpointCorruptError(f"{source}: format_version is {version!r}", path=source)
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise corrupt(f"format_version is {_short(version)}")
         if version > FORMAT_VERSION:
             raise UnsupportedFormatError(
                 f"{source} has format version {version}, but this stalwart reads up to "
                 f"version {FORMAT_VERSION}; upgrade stalwart to read it"
             )
-        claimed = data.pop(_SELF_CHECKSUM_KEY, None)
-        actual = xxhash.xxh3_128_hexdigest(canonical_json(data).encode())
-        if claimed != actual:
-            raise CheckpointCorruptError(
-                f"{source}: manifest checksum mismatch (recorded {claimed}, computed {actual}); "
-                "the manifest was modified or damaged",
-                path=source,
-            )
         try:
-            files = [
-                FileEntry(path=str(f["path"]), size=int(f["size"]), xxh3_128=str(f["xxh3_128"]))
-                for f in data["files"]
-            ]
-            for f in files:
-                p = Path(f.path)
-                if p.is_absolute() or ".." in p.parts or f.size < 0:
-                    raise ValueError(f"bad file entry {f.path!r}")
-            manifest = cls(
-                step=_as_int(data["step"]),
-                files=files,
-                world_size=_as_int(data["world_size"]),
-                epoch=None if data.get("epoch") is None else _as_int(data["epoch"]),
-                created_unix=float(data["created_unix"]),
-                metadata=dict(data.get("metadata") or {}),
-                config=data.get("config"),
-                config_hash=data.get("config_hash"),
-                code=data.get("code"),
-                versions=dict(data.get("versions") or {}),
-                hostname=str(data.get("hostname", "")),
-                metrics=dict(data.get("metrics") or {}),
-                topology=dict(data.get("topology") or {}),
-                format_version=version,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointCorruptError(
-                f"{source}: malformed manifest ({exc})", path=source
-            ) from exc
-        if math.isnan(manifest.created_unix):
-            raise CheckpointCorruptError(f"{source}: created_unix is NaN", path=source)
+            manifest = cls._from_fields(data, version)
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise corrupt(f"malformed manifest ({exc})") from exc
         return manifest
 
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any], version: int) -> Manifest:
+        """The manifest of a checksummed body; TypeError/ValueError/KeyError for a bad field."""
+        files = data["files"]
+        if not isinstance(files, list):
+            raise TypeError(f"files is {_short(files)}, expected a list")
+        entries = [_file_entry(f) for f in files]
+        seen: set[str] = set()
+        for entry in entries:
+            if entry.path in seen:
+                raise ValueError(f"file {entry.path!r} is listed twice")
+            seen.add(entry.path)
+        created_unix = data["created_unix"]
+        if isinstance(created_unix, bool) or not isinstance(created_unix, (int, float)):
+            raise TypeError(f"created_unix is {_short(created_unix)}")
+        if not (math.isfinite(created_unix) and 0 <= created_unix < _YEAR_10000):
+            raise ValueError(
+                f"created_unix is {created_unix}, expected seconds since 1970 before year 10000"
+            )
+        return cls(
+            step=_as_int(data["step"], "step"),
+            files=entries,
+            world_size=_as_int(data["world_size"], "world_size", low=1),
+            epoch=None if data.get("epoch") is None else _as_int(data["epoch"], "epoch"),
+            created_unix=float(created_unix),
+            metadata=_dict_field(data, "metadata"),
+            config=data.get("config"),
+            config_hash=_optional_str(data, "config_hash"),
+            code=None if data.get("code") is None else _dict_field(data, "code"),
+            versions=_dict_field(data, "versions"),
+            hostname=_optional_str(data, "hostname") or "",
+            metrics=_dict_field(data, "metrics"),
+            topology=_dict_field(data, "topology"),
+            format_version=version,
+        )
 
-def _as_int(value: Any) -> int:
+
+def _short(value: Any) -> str:
+    # Values from a hostile manifest can be megabytes long; messages stay one line.
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _parse_bounded_json(text: str | bytes, source: str) -> Any:
+    """JSON of at most ``MAX_MANIFEST_BYTES`` and ``MAX_JSON_DEPTH`` deep, or CheckpointCorruptError."""
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise CheckpointCorruptError(
+            f"{source}: {len(text)} bytes, more than any manifest "
+            f"({MAX_MANIFEST_BYTES} bytes at most)",
+            path=source,
+        )
+    try:
+        data = json.loads(text)
+    except RecursionError as exc:
+        # json's C parser refuses very deep nesting this way; anything it does
+        # parse is then checked without recursion below.
+        raise CheckpointCorruptError(
+            f"{source}: nested deeper than {MAX_JSON_DEPTH} levels", path=source
+        ) from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        # ValueError covers integers too long to convert (Python's digit limit).
+        raise CheckpointCorruptError(
+            f"{source}: not valid JSON ({_short(str(exc))})", path=source
+        ) from exc
+    _check_depth(data, source)
+    return data
+
+
+def _check_depth(data: Any, source: str) -> None:
+    # Iterative: a recursive walk (json.dumps, canonical_json, dict()) of the
+    # parsed value must never meet more nesting than this.
+    pending: list[tuple[Any, int]] = [(data, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise CheckpointCorruptError(
+                f"{source}: nested deeper than {MAX_JSON_DEPTH} levels", path=source
+            )
+        pending.extend((child, depth + 1) for child in children)
+
+
+def _file_entry(raw: Any) -> FileEntry:
+    if not isinstance(raw, dict):
+        raise TypeError(f"file entry {_short(raw)} is not an object")
+    path, size, digest = raw["path"], raw["size"], raw["xxh3_128"]
+    if not isinstance(path, str) or not _is_relative_file_path(path):
+        raise ValueError(
+            f"bad file entry {_short(path)}: a file path must be relative, inside the "
+            "checkpoint, without '..', '.', empty parts or NUL"
+        )
+    if not isinstance(digest, str) or len(digest) != 32 or digest.strip("0123456789abcdef"):
+        raise ValueError(f"file {path!r} has checksum {_short(digest)}, expected 32 hex digits")
+    return FileEntry(path=path, size=_as_int(size, f"size of {path!r}"), xxh3_128=digest)
+
+
+def _is_relative_file_path(path: str) -> bool:
+    parts = path.split("/")
+    return (
+        bool(path)
+        and "\0" not in path
+        and "\\" not in path
+        and path != MANIFEST_NAME
+        and all(part not in ("", ".", "..") for part in parts)
+    )
+
+
+def _dict_field(data: dict[str, Any], key: str) -> dict[str, Any]:
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"{key} is {_short(value)}, expected an object")
+    return value
+
+
+def _optional_str(data: dict[str, Any], key: str) -> str | None:
+    value = data.get(key)
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{key} is {_short(value)}, expected a string")
+    return value
+
+
+def _as_int(value: Any, what: str, *, low: int = 0) -> int:
+    # Python ints are unbounded; 2**63 keeps every value usable as a file size
+    # or offset (and refuses Infinity, which JSON lets through as a float).
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"expected an integer, got {value!r}")
+        raise TypeError(f"{what} is {_short(value)}, expected an integer")
+    if not low <= value < 2**63:
+        raise ValueError(f"{what} is {_short(value)}, expected {low} <= value < 2**63")
     return value

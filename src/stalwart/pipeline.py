@@ -36,10 +36,18 @@ from stalwart.errors import (
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
-from stalwart.manifest import MANIFEST_NAME, FileEntry, Manifest, hash_file
+from stalwart.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    hash_file,
+    open_checkpoint_file,
+)
 from stalwart.safe_load import read_dcp_metadata, safe_load
 from stalwart.state import _ATOMIC, TrainState
 from stalwart.storage.base import CheckpointStorage
+from stalwart.storage.local import step_of_dir_name
 
 __all__ = [
     "AsyncSaver",
@@ -498,19 +506,39 @@ class AsyncSaver:
 
 
 def read_manifest(path: Path) -> Manifest:
-    """Read and validate ``<path>/MANIFEST.json``."""
+    """Read and validate ``<path>/MANIFEST.json``, and check it belongs to ``path``.
+
+    The manifest is read without following a link and only if it is a regular
+    file of at most ``MAX_MANIFEST_BYTES``. In a directory named like a step
+    (``step_000000200``) the manifest must record that step: an older step
+    renamed or copied to a newer name is corrupt, not restored as the newer one.
+    Raises ``CheckpointNotFoundError`` without a manifest, ``CheckpointCorruptError``
+    (transient for an I/O error) or ``UnsupportedFormatError``.
+    """
     manifest_path = path / MANIFEST_NAME
+    where = str(manifest_path)
     try:
-        text = manifest_path.read_bytes()
+        with open_checkpoint_file(path, MANIFEST_NAME) as (stream, _size):
+            # One byte past the limit is enough to know it is too large.
+            text = stream.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(
             f"{path} is not a committed checkpoint (no {MANIFEST_NAME})"
         ) from exc
     except OSError as exc:
         raise CheckpointCorruptError(
-            f"{manifest_path}: cannot read ({exc})", path=str(manifest_path), transient=True
+            f"{manifest_path}: cannot read ({exc.strerror or exc})", path=where, transient=True
         ) from exc
-    return Manifest.from_json(text, source=str(manifest_path))
+    manifest = Manifest.from_json(text, source=where)
+    named = step_of_dir_name(path.name)
+    if named is not None and named != manifest.step:
+        raise CheckpointCorruptError(
+            f"{manifest_path}: says step {manifest.step}, but the directory is "
+            f"{path.name} (step {named}); a checkpoint renamed or copied to another "
+            "step's name is not that step",
+            path=where,
+        )
+    return manifest
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -555,9 +583,13 @@ def file_problems(
     sized: set[str] = set()
     for entry in manifest.files:
         try:
-            size = (path / entry.path).stat().st_size
+            # Opened, not stat()ed: stat would follow a link out of the checkpoint.
+            with open_checkpoint_file(path, entry.path) as (_stream, size):
+                pass
         except FileNotFoundError:
             problems.append(FileProblem(entry.path, "missing (listed in the manifest)"))
+        except CheckpointCorruptError as exc:
+            problems.append(FileProblem(entry.path, str(exc).removeprefix(f"{exc.path}: ")))
         except OSError as exc:
             problems.append(
                 FileProblem(entry.path, f"cannot read ({exc.strerror or exc})", True, exc)
@@ -581,7 +613,9 @@ def file_problems(
 
     def check(entry: FileEntry) -> FileProblem | None:
         try:
-            _size, digest = hash_file(path / entry.path)
+            _size, digest = hash_file(entry.path, within=path)
+        except CheckpointCorruptError as exc:
+            return FileProblem(entry.path, str(exc).removeprefix(f"{exc.path}: "))
         except OSError as exc:
             return FileProblem(entry.path, f"cannot read ({exc.strerror or exc})", True, exc)
         finally:
@@ -683,5 +717,16 @@ def load_checkpoint(
     native = state.native_target(metadata, strict=strict)
     if native:
         safe_load(native, path, process_group=group, metadata=metadata)
-    state.load_state_dict({**blobs, **native}, strict=strict)
+    try:
+        state.load_state_dict({**blobs, **native}, strict=strict)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        if isinstance(exc, StalwartError):
+            raise
+        # The right keys holding values of the wrong kind (a float where a list
+        # of parameters belongs): a checkpoint that does not fit this state, like
+        # one of another model, and never a bare TypeError out of restore.
+        raise StateMismatchError(
+            f"{path}: a value in the checkpoint does not fit the state "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
     return manifest

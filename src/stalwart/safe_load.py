@@ -31,12 +31,14 @@ for callers that drive ``dcp.load`` themselves, ``SafeFileSystemReader`` plus
 
 from __future__ import annotations
 
+import contextlib
 import io
+import math
 import os
 import pathlib
 import pickle
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any, ClassVar, cast
 
 import torch
@@ -44,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
@@ -65,6 +67,7 @@ from stalwart.errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
+from stalwart.manifest import open_checkpoint_file
 
 __all__ = [
     "SafeFileSystemReader",
@@ -76,6 +79,8 @@ __all__ = [
 
 _METADATA_FILE = ".metadata"
 _TAMPERED = "the file is not a genuine DCP metadata file or was tampered with"
+_MAX_NDIM = 64  # torch itself refuses tensors of more dimensions
+_MAX_KEY_PATH = 256  # parts of one planner_data key path: far deeper than any state dict
 
 # Classes whose fresh instances the pickle fills in (NEWOBJ then BUILD). These are
 # plain dataclasses; TensorProperties.__setstate__ only unpacks a tuple.
@@ -213,11 +218,14 @@ class _MetadataUnpickler(pickle._Unpickler):
 _BASE_BUILD = pickle._Unpickler.dispatch[pickle.BUILD[0]]
 
 
-def _unpickle_metadata(stream: IO[bytes], where: str) -> Metadata:
-    # Read it whole first: a crafted length field then asks an in-memory buffer
-    # for more than it has (a short read, "truncated"), not the file object,
-    # which would allocate the claimed size up front.
-    data = stream.read()
+def _unpickle_metadata(
+    stream: IO[bytes], size: int, where: str, file_size: Callable[[str], int]
+) -> Metadata:
+    # Read it whole first, and no more than the regular file's size: a crafted
+    # length field then asks an in-memory buffer for more than it has (a short
+    # read, "truncated"), not the file object, which would allocate the claimed
+    # size up front.
+    data = stream.read(size)
     try:
         obj = _MetadataUnpickler(io.BytesIO(data)).load()
     except _Refused as exc:
@@ -234,7 +242,7 @@ def _unpickle_metadata(stream: IO[bytes], where: str) -> Metadata:
             f"{type(exc).__name__}: {exc})",
             path=where,
         ) from exc
-    return _check_structure(obj, where)
+    return _check_bounds(_check_structure(obj, where), where, file_size)
 
 
 def _is_plain_file_name(name: object) -> bool:
@@ -307,6 +315,160 @@ def _check_structure(obj: object, where: str) -> Metadata:
     return obj
 
 
+def _check_bounds(metadata: Metadata, where: str, file_size: Callable[[str], int]) -> Metadata:
+    """Every number in ``metadata`` against the others and the data files' real sizes.
+
+    Whoever can write a checkpoint can build metadata from allowed classes alone:
+    a tensor of negative size or of 2**40 elements, a chunk outside its tensor,
+    data past the end of its file, a planner_data index that makes a list of a
+    trillion entries. Anything that could make a reader allocate more than the
+    checkpoint holds, or index out of range, fails here as ``CheckpointCorruptError``.
+    ``file_size(name)`` is a data file's size (raising CheckpointCorruptError
+    for a missing, linked or non-regular file).
+    """
+
+    def bad(what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{where}: not valid DCP metadata: {what}", path=where)
+
+    sizes: dict[str, int] = {}
+    stored: dict[tuple[str, tuple[int, ...] | None], _StorageInfo] = {}
+    for index, info in metadata.storage_data.items():
+        offset = index.offset
+        if type(index.fqn) is not str or not (offset is None or _is_shape(offset)):
+            raise bad(f"storage index {index.fqn!r} at {offset!r} is malformed")
+        name = info.relative_path
+        if name not in sizes:
+            sizes[name] = file_size(name)
+        if info.offset + info.length > sizes[name]:
+            raise bad(
+                f"data of {index.fqn!r} is bytes {info.offset}..{info.offset + info.length} "
+                f"of {name}, which has {sizes[name]} bytes"
+            )
+        stored[index.fqn, None if offset is None else tuple(offset)] = info
+    # Data of the whole checkpoint: what a reader may allocate for its tensors.
+    budget = sum(sizes.values())
+    wanted = 0
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        wanted += _tensor_bytes(fqn, entry, stored, bad)
+        if wanted > budget:
+            raise bad(
+                f"its tensors (up to {fqn!r}) need {wanted} bytes, more than the "
+                f"{budget} bytes of data the checkpoint holds"
+            )
+    _check_planner_data(metadata.planner_data, len(metadata.state_dict_metadata), bad)
+    return metadata
+
+
+def _is_shape(value: object) -> bool:
+    return (
+        type(value) is torch.Size
+        and len(value) <= _MAX_NDIM
+        and all(type(d) is int and d >= 0 for d in value)
+    )
+
+
+def _tensor_bytes(
+    fqn: str,
+    entry: TensorStorageMetadata,
+    stored: dict[tuple[str, tuple[int, ...] | None], _StorageInfo],
+    bad: Callable[[str], CheckpointCorruptError],
+) -> int:
+    """Bytes of the whole tensor ``fqn``, once its shape and chunks are proven consistent."""
+    size = entry.size
+    if not _is_shape(size):
+        raise bad(f"tensor {fqn!r} has size {_short(size)}")
+    itemsize = entry.properties.dtype.itemsize
+    numel = math.prod(size)
+    in_chunks = 0
+    for chunk in entry.chunks:
+        offsets, lengths = chunk.offsets, chunk.sizes
+        if not (_is_shape(offsets) and _is_shape(lengths)) or not (
+            len(offsets) == len(lengths) == len(size)
+            and all(o + n <= d for o, n, d in zip(offsets, lengths, size, strict=True))
+        ):
+            raise bad(
+                f"tensor {fqn!r} of size {list(size)} has a chunk at {_short(offsets)} of "
+                f"size {_short(lengths)}, not inside it"
+            )
+        info = stored.get((fqn, tuple(offsets)))
+        if info is None:
+            raise bad(f"tensor {fqn!r} has no stored data for its chunk at {list(offsets)}")
+        chunk_numel = math.prod(lengths)
+        if not info.transform_descriptors and chunk_numel * itemsize > info.length:
+            raise bad(
+                f"tensor {fqn!r}'s chunk at {list(offsets)} needs {chunk_numel * itemsize} "
+                f"bytes, but its stored data has {info.length}"
+            )
+        in_chunks += chunk_numel
+    if in_chunks > numel:
+        raise bad(f"tensor {fqn!r} has {in_chunks} elements in its chunks, but only {numel}")
+    return numel * itemsize
+
+
+def _check_planner_data(
+    planner_data: object, entries: int, bad: Callable[[str], CheckpointCorruptError]
+) -> None:
+    # DCP unflattens the loaded values along these key paths (set_element), and
+    # an integer part becomes a list index: list positions are filled up to it.
+    if planner_data is None:
+        return
+    if not isinstance(planner_data, dict):
+        raise bad(f"planner_data is a {type(planner_data).__qualname__}, expected a dict")
+    for key, path in planner_data.items():
+        if not (
+            isinstance(key, str)
+            and isinstance(path, (tuple, list))
+            and 0 < len(path) <= _MAX_KEY_PATH
+            and all(
+                type(part) is str or (type(part) is int and 0 <= part < entries) for part in path
+            )
+        ):
+            raise bad(
+                f"planner_data maps {_short(key)} to {_short(path)}; expected a key path "
+                f"of strings and list indices below {entries}"
+            )
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _file_sizes(directory: str) -> Callable[[str], int]:
+    """Sizes of the data files in ``directory``, read without following links."""
+
+    def size_of(name: str) -> int:
+        where = os.path.join(directory, name)
+        try:
+            with open_checkpoint_file(directory, name) as (_stream, size):
+                return size
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(
+                f"{where}: missing (named by the DCP metadata)", path=where
+            ) from exc
+        except OSError as exc:
+            raise CheckpointCorruptError(
+                f"{where}: cannot read ({exc.strerror or exc})", path=where, transient=True
+            ) from exc
+
+    return size_of
+
+
+def _read_metadata_file(directory: str, name: str) -> Metadata:
+    where = os.path.join(directory, name)
+    try:
+        with open_checkpoint_file(directory, name) as (stream, size):
+            return _unpickle_metadata(stream, size, where, _file_sizes(directory))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CheckpointCorruptError(
+            f"{where}: cannot read ({exc.strerror or exc})", path=where, transient=True
+        ) from exc
+
+
 def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
     """Read a DCP checkpoint's ``.metadata`` without running code from it.
 
@@ -323,12 +485,41 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
     if os.path.isdir(file):
         file = os.path.join(file, _METADATA_FILE)
     try:
-        with open(file, "rb") as stream:
-            return _unpickle_metadata(stream, file)
+        return _read_metadata_file(os.path.dirname(file) or ".", os.path.basename(file))
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(
             f"{file}: no DCP metadata file (is {os.fspath(path)} a DCP checkpoint directory?)"
         ) from exc
+
+
+class _NoFollowFileSystem(FileSystem):
+    """DCP's local filesystem, except that reading never follows a link or reads a device.
+
+    Files were checked against the manifest before the load; opening them again
+    this way means a file swapped for a link (or a FIFO) after that check is
+    refused too, rather than read from wherever it points.
+    """
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        file = os.fspath(path)
+        try:
+            with open_checkpoint_file(os.path.dirname(file), os.path.basename(file)) as (
+                stream,
+                _size,
+            ):
+                # Buffered like DCP's own open(): it reads many small records.
+                yield io.BufferedReader(stream)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise CheckpointCorruptError(
+                f"{file}: cannot read ({exc.strerror or exc})", path=file, transient=True
+            ) from exc
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -342,6 +533,7 @@ class SafeFileSystemReader(FileSystemReader):
         self, path: str | os.PathLike[str], *, metadata: Metadata | None = None, **kwargs: Any
     ) -> None:
         super().__init__(path, **kwargs)
+        self.fs = _NoFollowFileSystem()
         # dcp.load swallows read_metadata's exception (it logs it and retries a
         # rank-local file), so safe_load reads the real cause from here.
         self.metadata_errors: list[StalwartError] = []
@@ -366,8 +558,7 @@ class SafeFileSystemReader(FileSystemReader):
         where = os.fspath(path)
         try:
             try:
-                with self.fs.create_stream(path, "rb") as stream:
-                    return _unpickle_metadata(cast(IO[bytes], stream), where)
+                return _read_metadata_file(os.path.dirname(where), os.path.basename(where))
             except FileNotFoundError as exc:
                 raise CheckpointNotFoundError(f"{where}: no DCP metadata file") from exc
         except StalwartError as exc:

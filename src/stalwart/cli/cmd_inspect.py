@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import textwrap
 from pathlib import Path
 from typing import Any, TextIO
@@ -129,7 +130,7 @@ def inspect_checkpoint(checkpoint: Path) -> dict[str, Any]:
     metadata cannot be read safely.
     """
     manifest_data: dict[str, Any] | None = None
-    if (checkpoint / MANIFEST_NAME).exists():
+    if os.path.lexists(checkpoint / MANIFEST_NAME):  # a link is refused by the reader, not skipped
         manifest = load_manifest(checkpoint)
         if isinstance(manifest, Problem):
             raise CheckpointCorruptError(

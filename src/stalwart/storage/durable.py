@@ -39,13 +39,19 @@ from typing import Any
 import xxhash
 
 from stalwart.errors import CheckpointCorruptError, CommitConflictError, DurableStoreError
-from stalwart.manifest import MANIFEST_NAME, FileEntry, Manifest, hash_file
+from stalwart.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    hash_file,
+    open_checkpoint_file,
+)
 from stalwart.storage.local import fsync_file, step_dir_name
 from stalwart.storage.remote import (
     CHUNK,
     RetryPolicy,
     open_client,
-    read_chunks,
     with_retries,
 )
 
@@ -183,8 +189,24 @@ class DurableTier:
         )
 
     def read_manifest(self, step: int) -> Manifest:
+        """The validated manifest of committed ``step``; it must record that step.
+
+        Raises ``CheckpointCorruptError`` for a damaged manifest or one that
+        another step's (copied or renamed to this prefix), ``UnsupportedFormatError``
+        for a newer format, ``FileNotFoundError`` when ``step`` is not committed.
+        """
+        return self._identified(step, self.manifest_bytes(step))
+
+    def _identified(self, step: int, manifest_bytes: bytes) -> Manifest:
         source = f"{self.url}/{step_dir_name(step)}/{MANIFEST_NAME}"
-        return Manifest.from_json(self.manifest_bytes(step), source=source)
+        manifest = Manifest.from_json(manifest_bytes, source=source)
+        if manifest.step != step:
+            raise CheckpointCorruptError(
+                f"{source}: says step {manifest.step}, but it is stored as step {step}; "
+                "a checkpoint copied to another step's prefix is not that step",
+                path=source,
+            )
+        return manifest
 
     # --------------------------------------------------------------- upload
 
@@ -211,7 +233,7 @@ class DurableTier:
             if on_retry is not None:
                 on_retry(what, attempt, delay, error)
 
-        manifest_bytes = (checkpoint / MANIFEST_NAME).read_bytes()
+        manifest_bytes = b"".join(_local_chunks(checkpoint, MANIFEST_NAME, MAX_MANIFEST_BYTES))
         manifest = Manifest.from_json(manifest_bytes, source=str(checkpoint / MANIFEST_NAME))
         step = manifest.step
         prefix = step_dir_name(step)
@@ -228,7 +250,7 @@ class DurableTier:
                 size = 0
                 if entry.size <= CHUNK:
                     # One PUT: a streamed body would cost a 3-request multipart upload.
-                    blob = (checkpoint / entry.path).read_bytes()
+                    blob = b"".join(_local_chunks(checkpoint, entry.path, entry.size))
                     h.update(blob)
                     size = len(blob)
                     self.client.put_bytes(key, blob)
@@ -236,7 +258,7 @@ class DurableTier:
 
                     def chunks() -> Iterator[bytes]:
                         nonlocal size
-                        for chunk in read_chunks(checkpoint / entry.path):
+                        for chunk in _local_chunks(checkpoint, entry.path, entry.size):
                             h.update(chunk)
                             size += len(chunk)
                             yield chunk
@@ -353,12 +375,7 @@ class DurableTier:
         if manifest_bytes is None:
             manifest_bytes = self.manifest_bytes(step)
         source = f"{self.url}/{step_dir_name(step)}"
-        manifest = Manifest.from_json(manifest_bytes, source=f"{source}/{MANIFEST_NAME}")
-        if manifest.step != step:
-            raise CheckpointCorruptError(
-                f"{source}/{MANIFEST_NAME} says step {manifest.step}",
-                path=f"{source}/{MANIFEST_NAME}",
-            )
+        manifest = self._identified(step, manifest_bytes)
         data = f"{step_dir_name(step)}/{data_dir_name(manifest_bytes)}"
         jobs: list[tuple[Any, int, int]] = []
         for entry in manifest.files:
@@ -525,3 +542,24 @@ class DurableTier:
             except BaseException:
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
+
+
+def _local_chunks(checkpoint: Path, relative: str, expected: int) -> Iterator[bytes]:
+    """A local checkpoint file, ``CHUNK`` at a time, at most one byte past ``expected``.
+
+    Read without following links and only from a regular file (a link to
+    ``/dev/zero`` would otherwise upload forever); one byte too many is enough
+    for the caller's size check to fail. A link or an unreadable file is a
+    ``CheckpointCorruptError`` naming it.
+    """
+    where = checkpoint / relative
+    try:
+        with open_checkpoint_file(checkpoint, relative) as (f, _size):
+            left = expected + 1
+            while left > 0 and (data := f.read(min(CHUNK, left))):
+                left -= len(data)
+                yield data
+    except OSError as exc:
+        raise CheckpointCorruptError(
+            f"{where}: cannot read ({exc.strerror or exc}); not uploading it", path=str(where)
+        ) from exc

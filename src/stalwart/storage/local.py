@@ -26,7 +26,7 @@ from stalwart.errors import CheckpointSaveError
 from stalwart.manifest import MANIFEST_NAME
 from stalwart.storage.base import StepEntry, StepStatus
 
-__all__ = ["LocalStorage", "fsync_dir", "fsync_file", "step_dir_name"]
+__all__ = ["LocalStorage", "fsync_dir", "fsync_file", "step_dir_name", "step_of_dir_name"]
 
 logger = logging.getLogger("stalwart")
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
@@ -35,6 +35,12 @@ _TMP_RE = re.compile(r"^\.step_(\d{9,})\.(tmp|del|corrupt)-[0-9a-f]+$")
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:09d}"
+
+
+def step_of_dir_name(name: str) -> int | None:
+    """The step a committed checkpoint directory's name says (``step_000000200`` -> 200), else None."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def fsync_dir(path: Path) -> None:
