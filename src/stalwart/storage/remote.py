@@ -185,7 +185,10 @@ def url_secrets(text: str) -> list[str]:
     found: list[str] = []
     for match in (*_URL_USERINFO.finditer(text), *_BARE_USERINFO.finditer(text)):
         userinfo = match.group(0)[len(match.group(1)) if match.groups() else 0 : -1]
-        found += [userinfo, *(part for part in re.split(r"[:/]", userinfo) if part)]
+        # The whole, user and password, and the pieces of a password with a "/" in it (a
+        # path splits it there).
+        found += [userinfo, *userinfo.split(":", 1), *re.split(r"[:/]", userinfo)]
+    found = [part for part in found if part]
     return found
 
 
