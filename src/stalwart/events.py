@@ -32,6 +32,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_LINE_BYTES",
     "EventLog",
+    "NotRegularFileError",
     "ReadStats",
     "open_regular",
     "read_events",

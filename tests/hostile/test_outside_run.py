@@ -264,3 +264,32 @@ def test_ls_does_not_hang_on_fifos_in_the_run(
     code, out, err = cli(capsys, "gc", run, "--dry-run", "--grace", "0s")
     assert code == 0, err
     assert ".step_000000009" not in out
+
+
+# ----------------------------------------------------------------- report output
+
+
+def test_report_never_writes_through_links_in_the_run(
+    run: Path, tmp_path: Path, outside: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (run / "report").mkdir()
+    (run / "report" / "timeline.png").symlink_to(outside)
+    (run / "report" / "report.html").symlink_to(tmp_path / "outside" / "new.html")
+    code, _out, err = cli(capsys, "report", run)
+    assert code == 0, err
+    assert outside.read_bytes() == SECRET_BYTES
+    assert not (tmp_path / "outside" / "new.html").exists()
+    assert not (run / "report" / "timeline.png").is_symlink()
+    assert (run / "report" / "timeline.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_report_refuses_a_report_directory_that_is_a_link(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    elsewhere = tmp_path / "outside" / "reports"
+    elsewhere.mkdir(parents=True)
+    (run / "report").symlink_to(elsewhere, target_is_directory=True)
+    code, _out, err = cli(capsys, "report", run)
+    assert code == 1
+    assert_one_line_error(err, "symbolic link", "--out")
+    assert list(elsewhere.iterdir()) == []
