@@ -105,40 +105,53 @@ def open_regular(path: Path, flags: int) -> int:
     """``os.open(path, flags)`` of a regular file, never through a symbolic link.
 
     ``O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK`` are added (a FIFO neither blocks the
-    open nor is used); the returned descriptor is blocking again. Raises
-    ``NotRegularFileError`` naming ``path`` and what it is instead.
+    open nor is used); the returned descriptor is blocking again. Opened for
+    writing, the file must also have a single name: a hard link to a file
+    elsewhere would be written like a symbolic link. Raises ``NotRegularFileError``
+    naming ``path`` and what it is instead.
     """
+    # lstat first: opening a device node can have effects of its own; the fstat
+    # below still decides, for an entry swapped in between.
+    what = _what(os.lstat(path)) if os.path.lexists(path) else None
+    if what is not None:
+        raise _not_regular(path, what, errno.EINVAL)
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
     except OSError as exc:
-        # ELOOP (Linux) / EMLINK (FreeBSD) for a link; ENXIO for a FIFO without a reader.
-        if os.path.islink(path) or exc.errno == errno.ENXIO:
-            raise NotRegularFileError(
-                exc.errno, f"{path} is {_what(path)}, not a regular file; remove it", str(path)
-            ) from exc
+        # ELOOP for a link, ENXIO for a FIFO without a reader: swapped in meanwhile.
+        if exc.errno in (errno.ELOOP, errno.ENXIO):
+            raise _not_regular(path, "not a regular file", exc.errno) from exc
         raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    info = os.fstat(fd)
+    what = _what(info)
+    if what is None and flags & (os.O_WRONLY | os.O_RDWR) and info.st_nlink > 1:
+        what = f"a hard link ({info.st_nlink} names for one file)"
+    if what is not None:
         os.close(fd)
-        raise NotRegularFileError(
-            errno.EINVAL, f"{path} is {_what(path)}, not a regular file; remove it", str(path)
-        )
+        raise _not_regular(path, what, errno.EINVAL)
     os.set_blocking(fd, True)
     return fd
 
 
-def _what(path: Path) -> str:
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        return "not readable"
-    if stat.S_ISLNK(mode):
+def _not_regular(path: Path, what: str, code: int) -> NotRegularFileError:
+    return NotRegularFileError(
+        code,
+        f"{path} is {what}, not a regular file; stalwart does not use it: remove it",
+        str(path),
+    )
+
+
+def _what(info: os.stat_result) -> str | None:
+    """What a non-regular file is (``"a symbolic link"``, ...); None for a regular file."""
+    if stat.S_ISREG(info.st_mode):
+        return None
+    if stat.S_ISLNK(info.st_mode):
         return "a symbolic link"
-    if stat.S_ISFIFO(mode):
+    if stat.S_ISFIFO(info.st_mode):
         return "a FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+    if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
         return "a device"
-    if stat.S_ISDIR(mode):
+    if stat.S_ISDIR(info.st_mode):
         return "a directory"
     return "not a regular file"
 

@@ -123,6 +123,11 @@ _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBL
 def _open_lock(path: Path) -> int:
     """``path`` opened for writing, or ``RunLockedError`` unless it is a regular file
     with a single link (never opened through a symbolic link)."""
+    # lstat first: opening a device node can have effects of its own. The fstat
+    # below still decides, for an entry swapped in between.
+    problem = lock_file_problem(path.parent)
+    if problem is not None:
+        raise _unsafe(path, problem)
     try:
         fd = os.open(path, _OPEN_FLAGS, 0o644)
     except OSError as exc:

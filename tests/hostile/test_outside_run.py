@@ -137,6 +137,13 @@ def test_events_are_never_appended_through_a_link(
         assert ckpt.all_steps() == [1, 2, 3, 4]
 
 
+def test_events_are_never_appended_to_a_hard_link(run: Path, outside: Path) -> None:
+    (run / "events.jsonl").unlink()
+    os.link(outside, run / "events.jsonl")
+    EventLog(run / "events.jsonl").emit("save", step=3)
+    assert outside.read_bytes() == SECRET_BYTES
+
+
 def test_a_fifo_as_events_log_blocks_neither_saves_nor_ls(
     run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
