@@ -98,7 +98,13 @@ class EventLog:
 
 
 class NotRegularFileError(OSError):
-    """A file stalwart reads or writes in a run directory is a link, FIFO or device."""
+    """A file stalwart reads or writes in a run directory is a link, FIFO or device.
+
+    ``str()`` is the message alone (it names the path), without ``[Errno N]``.
+    """
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def open_regular(path: Path, flags: int) -> int:
@@ -137,7 +143,6 @@ def _not_regular(path: Path, what: str, code: int) -> NotRegularFileError:
     return NotRegularFileError(
         code,
         f"{path} is {what}, not a regular file; stalwart does not use it: remove it",
-        str(path),
     )
 
 

@@ -28,7 +28,7 @@ from stalwart.errors import (
     StalwartError,
     UnsupportedFormatError,
 )
-from stalwart.events import EVENTS_NAME, read_events
+from stalwart.events import EVENTS_NAME, NotRegularFileError, read_events
 from stalwart.lock import LOCK_NAME
 from stalwart.manifest import MANIFEST_NAME, Manifest
 from stalwart.pipeline import file_problems, read_manifest
@@ -428,6 +428,8 @@ def read_history(run: Path, warn: TextIO) -> RunHistory:
                 }
             elif record.get("event") == "restore_skipped" and isinstance(record.get("reason"), str):
                 history.skip_reasons[step] = record["reason"]
+    except NotRegularFileError as exc:
+        print(f"stalwart: warning: {exc}; showing no timings", file=warn)
     except OSError as exc:
         print(
             f"stalwart: warning: cannot read {run / EVENTS_NAME} ({exc.strerror or exc}); "
