@@ -49,6 +49,7 @@ def test_redact_text_hides_every_form_of_credential(text: str) -> None:
 def test_redact_keeps_the_rest_of_a_url() -> None:
     assert redact_url(S3) == "s3://***@bucket/prefix"
     assert redact_url("s3://bucket/prefix") == "s3://bucket/prefix"
+    assert redact_url("hf://datasets/org/name@main/x") == "hf://datasets/org/name@main/x"
     assert redact_text("pid 12 on host-1 (since 2026-11-30), mail ops@example.com") == (
         "pid 12 on host-1 (since 2026-11-30), mail ops@example.com"
     )

@@ -143,9 +143,11 @@ class ObjectClient(Protocol):
 
 
 # The user part of a URL: after ``scheme://`` (or ``scheme:/``, as ``Path`` prints a URL
-# taken for a path) up to the ``@``. A secret may hold an unencoded ``/``; the match runs
-# to the ``@`` anyway, so too much is hidden rather than too little.
-_URL_USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/{1,2})[^\s'\"<>@]+@")
+# taken for a path) up to the ``@``: ``user@`` or ``user:password@``. A password may hold
+# an unencoded ``/``; a ``/`` before any ``:`` is a path (``hf://datasets/x@main``).
+_URL_USERINFO = re.compile(
+    r"(\b[A-Za-z][A-Za-z0-9+.-]*:/{1,2})(?:[^\s'\"<>@/:]*:[^\s'\"<>@]+|[^\s'\"<>@/:]+)@"
+)
 # ``KEY:SECRET@host`` without a scheme (``durable="KEY:SECRET@bucket/p"``).
 _BARE_USERINFO = re.compile(r"(?<![^\s'\"<>(=,])[^\s'\"<>@:/(=,]+:(?!/)[^\s'\"<>@]+@")
 # Signed or token-carrying query parameters (S3 presigned URLs, Azure SAS, OAuth tokens).
