@@ -16,8 +16,9 @@ Two clients implement the same small surface (``ObjectClient``):
 Credentials come from each cloud's usual environment variables and config files
 (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``GOOGLE_APPLICATION_CREDENTIALS``,
 ``AZURE_STORAGE_ACCOUNT_KEY``, ...) or from ``options``. No message this module
-produces contains them: every error text passes through ``redact`` with the
-secret values the client knows of.
+produces contains them: every error text passes through ``redact_text`` (the
+one redaction of the library and the CLI: user parts of URLs, with or without a
+scheme, and secret query parameters) with the secret values the client knows of.
 
 Every operation raises ``DurableStoreError`` (``transient`` says whether a retry
 may help), ``FileNotFoundError`` for a missing object, or ``FileExistsError``
