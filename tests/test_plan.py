@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -27,6 +28,8 @@ from stalwart.plan import (
     young_interval,
 )
 
+from .conftest import cli
+
 MIN, HOUR, DAY = 60.0, 3600.0, 86400.0
 GB = 1e9
 
@@ -46,6 +49,24 @@ def test_7b_adamw_on_8x80gb_does_not_fit_ddp_and_fits_fsdp2():
     assert p["memory"]["fits_ddp"] is False
     assert p["strategy"] == "fsdp2"
     assert p["memory"]["state_per_gpu_bytes"] == 14 * GB
+
+
+def test_a_bare_gpu_memory_is_refused_with_a_hint_never_read_as_bytes(capsys):
+    """`--gpu-mem 80` once meant 80 bytes and recommended CPU offload for 7B on 64 GPUs."""
+    code, _out, err = cli(capsys, "plan", "--params", "7B", "--gpus", "8", "--nodes", "8",
+                          "--gpu-mem", "80")  # fmt: skip
+    assert code == 2
+    assert "80GB or 80GiB" in err and "Traceback" not in err
+    code, out, err = cli(capsys, "plan", "--params", "7B", "--gpus", "8", "--nodes", "8",
+                         "--gpu-mem", "80GB", "--json")  # fmt: skip
+    assert code == 0, err
+    p = json.loads(out)
+    assert p["strategy"] == "fsdp2"
+    assert p["memory"]["state_per_gpu_bytes"] == pytest.approx(112 * GB / 64)
+    with pytest.raises(ValueError, match=r"did you mean 80 GB"):
+        plan(params=7 * 10**9, gpus_per_node=8, nodes=8, gpu_memory=80)
+    code, _out, err = cli(capsys, "plan", "--params", "7B", "--host-mem", "512")
+    assert code == 2 and "512GB or 512GiB" in err
 
 
 def test_daly_interval_for_5_minutes_and_24_hours_is_about_117_minutes():
@@ -216,7 +237,7 @@ def test_parse_count(text, value):
 @pytest.mark.parametrize(
     ("text", "value"),
     [("80GB", 80e9), ("80G", 80e9), ("80GiB", 80 * 2**30), ("40 GB", 40e9), ("512MB", 512e6),
-     ("1TB", 1e12), ("2048", 2048)],
+     ("1TB", 1e12), ("2048B", 2048)],
 )  # fmt: skip
 def test_parse_size(text, value):
     assert parse_size(text) == value
@@ -247,6 +268,8 @@ def test_parse_duration(text, value):
         (parse_count, "seven", "not a number"),
         (parse_count, "0", "less than one"),
         (parse_size, "80GQ", "unknown unit"),
+        (parse_size, "80", "no unit: give one, e.g. 80GB or 80GiB"),
+        (parse_bandwidth, "2", "no unit: give one, e.g. 2GB/s"),
         (parse_bandwidth, "2GB/h", "unknown unit"),
         (parse_duration, "24", "give a number with a unit"),
         (parse_duration, "3 fortnights", "unknown unit"),

@@ -32,7 +32,7 @@ from typing import Any, BinaryIO, Literal
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from stalwart.errors import StalwartError
+from stalwart.errors import CheckpointCorruptError, StalwartError
 from stalwart.pipeline import verify_checkpoint
 from stalwart.safe_load import read_dcp_metadata, safe_load
 from stalwart.storage.local import fsync_dir
@@ -42,11 +42,13 @@ __all__ = [
     "Format",
     "Only",
     "TensorEntry",
+    "check_sizes",
     "export_checkpoint",
     "iter_tensors",
     "iter_values",
     "safetensors_header",
     "select_tensors",
+    "stored_bytes",
 ]
 
 Only = Literal["model", "all"]
@@ -146,17 +148,70 @@ def iter_tensors(
     """Yield ``(entry, whole tensor)`` in the order of ``entries``, loaded a batch at a time.
 
     Each batch is one ``safe_load`` into freshly allocated CPU tensors, whatever
-    the world size that wrote the checkpoint (DCP assembles shards). A tensor
+    the world size that wrote the checkpoint (DCP assembles shards). Shapes come
+    from ``.metadata``, input from outside: ``check_sizes`` runs before anything
+    is allocated. A tensor
     is only valid until the iterator advances past its batch; nothing is
     checksummed here (call ``verify_checkpoint`` first). Single process, no
     process group.
     """
+    check_sizes(checkpoint, entries)
     for batch in _batches(entries, batch_bytes):
         target: dict[str, Any] = {e.fqn: torch.empty(e.shape, dtype=e.dtype) for e in batch}
         safe_load(target, checkpoint)
         for entry in batch:
             yield entry, target[entry.fqn]
         del target
+
+
+def stored_bytes(checkpoint: Path) -> int:
+    """Bytes of the regular files in ``checkpoint`` (``lstat`` only, nothing opened)."""
+    total = 0
+    with os.scandir(checkpoint) as it:
+        for entry in it:
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def check_sizes(
+    checkpoint: Path, entries: Sequence[TensorEntry], *, together: bool = False
+) -> None:
+    """Raise ``CheckpointCorruptError`` unless every tensor of ``entries`` (``together``: all of
+    them at once) could be held in the files of ``checkpoint``.
+
+    DCP stores tensor bytes uncompressed, so a shape that needs more bytes than the
+    checkpoint's files hold comes from damaged or crafted metadata; allocating it
+    would exhaust memory instead of failing with a message.
+    """
+    available = stored_bytes(checkpoint)
+    for e in entries:
+        if any(not isinstance(d, int) or d < 0 for d in e.shape):
+            raise CheckpointCorruptError(
+                f"{checkpoint}/.metadata: tensor {e.fqn!r} has shape {_shape(e.shape)}; the "
+                "metadata is damaged or crafted",
+                path=".metadata",
+            )
+        if e.nbytes > available:
+            raise CheckpointCorruptError(
+                f"{checkpoint}/.metadata: tensor {e.fqn!r} has shape {_shape(e.shape)}, "
+                f"{e.nbytes} bytes, more than all files of the checkpoint hold ({available} "
+                "bytes); the metadata is damaged or crafted",
+                path=".metadata",
+            )
+    needed = sum(e.nbytes for e in entries)
+    if together and needed > available:
+        raise CheckpointCorruptError(
+            f"{checkpoint}/.metadata: its tensors need {needed} bytes together, more than all "
+            f"files of the checkpoint hold ({available} bytes); the metadata is damaged or "
+            "crafted",
+            path=".metadata",
+        )
+
+
+def _shape(shape: tuple[Any, ...]) -> str:
+    text = repr(list(shape))
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def iter_values(checkpoint: Path, fqns: Sequence[str]) -> Iterator[tuple[str, Any]]:
@@ -254,6 +309,8 @@ def export_checkpoint(
                     if advance is not None:
                         advance(entry.nbytes)
             else:
+                # torch.save needs every tensor in memory at once.
+                check_sizes(checkpoint, entries, together=True)
                 flat: dict[str, torch.Tensor] = {}
                 for entry, tensor in iter_tensors(checkpoint, entries, batch_bytes=batch_bytes):
                     flat[entry.name] = tensor

@@ -13,6 +13,12 @@ copy keeps the lock); children started by ``exec`` never inherit it.
 
 flock works on local filesystems and on NFSv4 (as a byte-range lock); on
 filesystems where it does not, two writers are not detected.
+
+The run directory is input from outside (copied from elsewhere, writable by
+others), and the lock file is truncated and rewritten: it is opened with
+``O_NOFOLLOW`` and must be a regular file with one link. A symbolic link, FIFO,
+device or hard link at ``<run>/.lock`` is refused with ``RunLockedError`` naming
+it, so a link planted there never makes stalwart truncate a file outside the run.
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ import json
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
 from stalwart.errors import RunLockedError
 
-__all__ = ["LOCK_NAME", "RunLock"]
+__all__ = ["LOCK_NAME", "RunLock", "lock_file_problem", "read_lock_holder"]
 
 LOCK_NAME = ".lock"
 logger = logging.getLogger("stalwart")
@@ -61,7 +68,9 @@ class RunLock:
         return self._fd is not None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the lock, or raise ``RunLockedError`` (held by another process, or
+        ``.lock`` is not a plain file this process may write)."""
+        fd = _open_lock(self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -104,6 +113,88 @@ class RunLock:
         except OSError:
             pass
         fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+# O_NONBLOCK: opening a FIFO must not wait for a writer; the fstat below refuses it.
+_OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def _open_lock(path: Path) -> int:
+    """``path`` opened for writing, or ``RunLockedError`` unless it is a regular file
+    with a single link (never opened through a symbolic link)."""
+    # lstat first: opening a device node can have effects of its own. The fstat
+    # below still decides, for an entry swapped in between.
+    problem = lock_file_problem(path.parent)
+    if problem is not None:
+        raise _unsafe(path, problem)
+    try:
+        fd = os.open(path, _OPEN_FLAGS, 0o644)
+    except OSError as exc:
+        problem = lock_file_problem(path.parent)
+        if problem is None:
+            raise
+        raise _unsafe(path, problem) from exc
+    info = os.fstat(fd)
+    problem = _file_problem(info)
+    if problem is not None:
+        os.close(fd)
+        raise _unsafe(path, problem)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _unsafe(path: Path, problem: str) -> RunLockedError:
+    return RunLockedError(
+        f"{path} is {problem}, not a regular file; stalwart never writes through it, so "
+        f"the run cannot be locked. Remove {path} (rm, which removes only the entry "
+        "itself) and retry"
+    )
+
+
+def _file_problem(info: os.stat_result) -> str | None:
+    if stat.S_ISLNK(info.st_mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(info.st_mode):
+        return "a FIFO"
+    if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
+        return "a device"
+    if stat.S_ISSOCK(info.st_mode):
+        return "a socket"
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    if info.st_nlink > 1:
+        # A hard link to a file elsewhere would be truncated like the link itself.
+        return f"a hard link ({info.st_nlink} names for one file)"
+    return None
+
+
+def lock_file_problem(directory: Path) -> str | None:
+    """Why ``<directory>/.lock`` may not be used as a lock file (``"a symbolic link"``,
+    ``"a FIFO"``, ...), or None when it is a plain file or absent. Only ``lstat``."""
+    try:
+        info = os.lstat(directory / LOCK_NAME)
+    except OSError:
+        return None
+    return _file_problem(info)
+
+
+def read_lock_holder(directory: Path) -> dict[str, Any]:
+    """What the lock file of ``directory`` says about its holder (pid, host, since), or {}.
+
+    Reads only a regular file, never through a link, and never waits on a FIFO.
+    """
+    try:
+        fd = os.open(
+            directory / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        )
+    except OSError:
+        return {}
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}
+        return _read_holder(fd)
+    finally:
         os.close(fd)
 
 

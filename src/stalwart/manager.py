@@ -206,7 +206,8 @@ class CheckpointManager:
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
         if durable is not None and not is_url(durable):
             raise ValueError(
-                f"durable must be an object-store URL such as 's3://bucket/prefix', got {durable!r}"
+                "durable must be an object-store URL such as 's3://bucket/prefix', "
+                f"got {redact_url(str(durable))!r}"
             )
         self.durable_retention = RetentionPolicy(
             keep_last=keep_last if durable_keep_last is _SAME else durable_keep_last,

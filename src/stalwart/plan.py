@@ -138,11 +138,18 @@ def _prefix_factor(prefix: str, binary: str) -> int:
 
 
 def parse_size(text: str) -> int:
-    """A size in bytes: ``80GB`` and ``80G`` are decimal (80e9), ``80GiB`` is binary (80 * 2**30).
+    """A size in bytes: ``80GB`` and ``80G`` are decimal (80e9), ``80GiB`` is binary (80 * 2**30),
+    ``512B`` is bytes.
 
-    A bare number is bytes.
+    A unit is required: a bare ``80`` is refused, since ``--gpu-mem 80`` means 80 GB
+    to a person and would be 80 bytes to a parser (as ``parse_duration`` refuses ``24``).
     """
     value, unit = _number(text, "size", "80GB, 40GiB or 512MB")
+    if not unit:
+        raise ValueError(
+            f"size {text!r} has no unit: give one, e.g. {text.strip()}GB or {text.strip()}GiB "
+            f"(or {text.strip()}B for bytes)"
+        )
     m = re.fullmatch(r"([KMGTP]?)(i?)B?", unit, flags=re.IGNORECASE)
     if m is None or (m.group(2) and not m.group(1)):
         raise ValueError(f"size {text!r}: unknown unit {unit!r}; use B, KB, MB, GB, TB or KiB..TiB")
@@ -154,9 +161,14 @@ def parse_bandwidth(text: str) -> float:
 
     An upper-case ``B`` means bytes, a lower-case ``b`` (or ``bit``) bits, as in
     network and disk data sheets. ``/s`` may be left out (``2GB``); so may the
-    ``B`` (``2G/s`` is bytes).
+    ``B`` (``2G/s`` is bytes). A bare number is refused, like a bare size.
     """
     value, unit = _number(text, "bandwidth", "2GB/s, 500MB/s or 10Gb/s")
+    if not unit:
+        raise ValueError(
+            f"bandwidth {text!r} has no unit: give one, e.g. {text.strip()}GB/s or "
+            f"{text.strip()}MB/s (or {text.strip()}B/s for bytes per second)"
+        )
     body = unit.removesuffix("/s") if unit.endswith("/s") else unit.removesuffix("ps")
     m = re.fullmatch(r"([kKmMgGtTpP]?)(i?)(B|b|bit|)", body)
     if m is None or (m.group(2) and not m.group(1)):
@@ -384,6 +396,14 @@ class PlanInputs:
         for name in ("host_memory", "node_mtbf", "job_mtbf", "read_bw", "step_time"):
             if getattr(self, name) is not None:
                 _positive_field(name, getattr(self, name))
+        for name in ("gpu_memory", "host_memory"):
+            value = getattr(self, name)
+            # No accelerator or host has under 1 MiB: 80 here means 80 GB given in the wrong unit.
+            if value is not None and value < 2**20:
+                raise ValueError(
+                    f"{name} is in bytes, got {value!r}; did you mean {value!r} GB "
+                    f"({name}={value!r}e9)?"
+                )
         if not 0 < self.usable_fraction <= 1:
             raise ValueError(f"usable_fraction must be in (0, 1], got {self.usable_fraction!r}")
         if self.restart_overhead < 0:

@@ -16,7 +16,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from stalwart.events import read_events
 
@@ -65,17 +65,32 @@ class Timeline:
         return sorted(merged, key=lambda r: r["time"])
 
 
+_LAST_TIME = 253402300799.0
+"""9999-12-31T23:59:59Z, the last second ``datetime`` can show."""
+
+
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    """``value`` as a finite float, or None (not a number, a bool, NaN, infinite, too big)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _time(value: Any) -> bool:
+    number = _number(value)
+    return number is not None and 0 <= number <= _LAST_TIME
 
 
 def read_timeline(records: Iterable[dict[str, Any]]) -> Timeline:
-    """Sort event records by kind; records without a numeric ``time`` or ``event`` are dropped."""
+    """Sort event records by kind; records without a ``time`` a date can show (seconds since
+    1970, before year 10000) or without a string ``event`` are dropped."""
     timeline = Timeline()
     for record in records:
-        if _number(record.get("time")) is None or not isinstance(record.get("event"), str):
+        if not _time(record.get("time")) or not isinstance(record.get("event"), str):
             continue
         event = record["event"]
         if event == "save":
@@ -240,8 +255,9 @@ _MARKERS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def draw_timeline(timeline: Timeline, path: Path, *, title: str = "") -> None:
-    """Draw the run's timeline into a PNG at ``path``; needs matplotlib (ImportError without it).
+def draw_timeline(timeline: Timeline, path: Path | BinaryIO, *, title: str = "") -> None:
+    """Draw the run's timeline as a PNG into ``path`` (a file name or a binary stream);
+    needs matplotlib (ImportError without it).
 
     Top: seconds per save (total, and the part that blocked training), log
     scale when they span more than two decades. Middle: write throughput. Bottom:
@@ -369,7 +385,10 @@ def _fmt_s(value: float | None) -> str:
 def _fmt_time(unix: float | None) -> str:
     if unix is None:
         return "-"
-    return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, ValueError, OSError):
+        return f"invalid time ({unix!r})"
 
 
 def render_html(run: str, summary: dict[str, Any], png: bytes | None) -> str:

@@ -53,7 +53,7 @@ from stalwart.cli.common import (
 )
 from stalwart.errors import DurableStoreError, RunLockedError
 from stalwart.events import EVENTS_NAME, EventLog
-from stalwart.lock import LOCK_NAME, RunLock
+from stalwart.lock import LOCK_NAME, RunLock, lock_file_problem, read_lock_holder
 from stalwart.plan import parse_duration
 from stalwart.storage.durable import DurableTier, OrphanGroup
 from stalwart.storage.remote import redact_url
@@ -184,14 +184,6 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
     return EXIT_OK if report["ok"] else EXIT_BAD
 
 
-def _holder(run: Path) -> dict[str, Any]:
-    try:
-        info = json.loads((run / LOCK_NAME).read_text() or "{}")
-    except (OSError, ValueError):
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
 def _newest_mtime(path: Path) -> float:
     """The newest mtime of ``path`` and everything under it: a save still writing is young."""
     newest = path.lstat().st_mtime
@@ -218,18 +210,16 @@ def collect_garbage(
     try:
         lock.acquire()
     except RunLockedError:
-        lock_state, holder = "held", _holder(run)
-        if not (force or dry_run):
-            who = (
-                f"pid {holder.get('pid')} on {holder.get('host')} (since {holder.get('since')})"
-                if holder.get("pid") is not None
-                else "another process"
-            )
-            raise RunLockedError(
-                f"{run} is locked by {who}, which may be saving right now; stop it first, or "
-                f"rerun with --force to remove only entries older than --grace "
-                f"({_age(grace)})"
-            ) from None
+        problem = lock_file_problem(run)
+        if problem is not None:
+            # A link or FIFO planted as .lock is never written through; a dry run still lists.
+            if not dry_run:
+                raise
+            lock_state = f"unknown ({LOCK_NAME} is {problem})"
+        else:
+            lock_state, holder = "held", read_lock_holder(run)
+            if not (force or dry_run):
+                raise _locked(run, holder, grace) from None
     except OSError as exc:
         if not dry_run:
             raise
@@ -257,6 +247,18 @@ def collect_garbage(
         "bytes_freed": sum(e["bytes_freed"] for e in removed),
         "entries": entries,
     }
+
+
+def _locked(run: Path, holder: dict[str, Any], grace: float) -> RunLockedError:
+    who = (
+        f"pid {holder.get('pid')} on {holder.get('host')} (since {holder.get('since')})"
+        if holder.get("pid") is not None
+        else "another process"
+    )
+    return RunLockedError(
+        f"{run} is locked by {who}, which may be saving right now; stop it first, or "
+        f"rerun with --force to remove only entries older than --grace ({_age(grace)})"
+    )
 
 
 def _sweep(path: Path, grace: float, corrupt: bool, dry_run: bool) -> dict[str, Any]:

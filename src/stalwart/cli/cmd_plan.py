@@ -46,6 +46,11 @@ model (see docs/operations.md for the derivation and sources):
   stages / --copy-bw. Interval: Young (1974) sqrt(2CM) and Daly (2006)'s
   higher-order estimate, with C the stall and M = node MTBF / nodes.
 
+units:
+  sizes and bandwidths need a unit: 80GB and 80G are decimal, 80GiB binary,
+  512B bytes; 2GB/s bytes and 10Gb/s bits per second. A bare number (--gpu-mem 80)
+  is refused with a hint, never read as bytes.
+
 examples:
   stalwart plan --params 7B --gpus 8 --gpu h100 --mtbf 24h --write-bw 2GB/s
   stalwart plan --params 70B --gpus 8 --nodes 16 --gpu-mem 80GB --mtbf-job 6h --json
@@ -133,7 +138,11 @@ def add_parser(subparsers: Any) -> None:
     hw.add_argument("--nodes", type=_positive_int, default=1, metavar="M", help="nodes (default 1)")
     gpu = hw.add_mutually_exclusive_group()
     gpu.add_argument(
-        "--gpu-mem", type=_arg(parse_size), metavar="SIZE", help="memory of one GPU: 80GB, 40GiB"
+        "--gpu-mem",
+        type=_arg(parse_size),
+        metavar="SIZE",
+        help="memory of one GPU: 80GB, 40GiB (a unit is required: "
+        "a bare 80 is refused, not read as bytes)",
     )
     gpu.add_argument(
         "--gpu",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
+import os
 import textwrap
 from pathlib import Path
 from typing import Any, TextIO
@@ -95,24 +97,46 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
         raise StalwartError(f"{events} holds no readable events: nothing to report")
     summary = summarize(timeline)
     target = Path(args.out) if args.out is not None else directory / "report"
+    if args.out is None and target.is_symlink():
+        # RUN/report is inside the run, which is input from outside: never write through it.
+        raise StalwartError(
+            f"{target} is a symbolic link; stalwart never writes through a link in a run "
+            "directory: remove it, or name another directory with --out"
+        )
     if target.exists() and not target.is_dir():
         raise UsageError(f"--out {target} is a file; name a directory")
     target.mkdir(parents=True, exist_ok=True)
     png, page = target / PNG_NAME, target / HTML_NAME
+    image = io.BytesIO()
     try:
-        draw_timeline(timeline, png, title=f"checkpoint timeline of {directory.resolve().name}")
+        draw_timeline(timeline, image, title=f"checkpoint timeline of {directory.resolve().name}")
     except ImportError as exc:
         raise StalwartError(
             f"`stalwart report` needs a working matplotlib ({exc}); "
             "install it with `pip install matplotlib`"
         ) from None
-    page.write_text(render_html(str(directory), summary, png.read_bytes()), encoding="utf-8")
+    _replace(png, image.getvalue())
+    _replace(page, render_html(str(directory), summary, image.getvalue()).encode())
     report = {"run": str(directory), "png": str(png), "html": str(page), "summary": summary}
     if args.json:
         out.write(json.dumps(report, indent=2, allow_nan=True) + "\n")
     else:
         _render(report, out)
     return EXIT_OK
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``path`` as a new file renamed into place: a link already at ``path`` is
+    replaced, never written through."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _render(report: dict[str, Any], out: TextIO) -> None:

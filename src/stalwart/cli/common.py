@@ -28,7 +28,7 @@ from stalwart.errors import (
     StalwartError,
     UnsupportedFormatError,
 )
-from stalwart.events import EVENTS_NAME, read_events
+from stalwart.events import EVENTS_NAME, NotRegularFileError, read_events
 from stalwart.lock import LOCK_NAME
 from stalwart.manifest import MANIFEST_NAME, Manifest
 from stalwart.pipeline import file_problems, read_manifest
@@ -428,6 +428,8 @@ def read_history(run: Path, warn: TextIO) -> RunHistory:
                 }
             elif record.get("event") == "restore_skipped" and isinstance(record.get("reason"), str):
                 history.skip_reasons[step] = record["reason"]
+    except NotRegularFileError as exc:
+        print(f"stalwart: warning: {exc}; showing no timings", file=warn)
     except OSError as exc:
         print(
             f"stalwart: warning: cannot read {run / EVENTS_NAME} ({exc.strerror or exc}); "
@@ -464,10 +466,34 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None (not a number, NaN, infinite, an int beyond floats).
+
+    Manifests and event logs are input from outside: their numbers may be anything JSON
+    can hold, and showing one must never crash a command.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _invalid(value: Any) -> str:
+    text = repr(value)
+    return f"invalid ({text if len(text) <= 24 else text[:21] + '...'})"
+
+
 def format_bytes(n: int | None) -> str:
+    """``1.5 GiB``, ``512 B``; ``-`` for None and ``invalid (...)`` for a value that is not a
+    finite size >= 0."""
     if n is None:
         return "-"
-    value = float(n)
+    value = _finite(n)
+    if value is None or value < 0:
+        return _invalid(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
             return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
@@ -476,10 +502,17 @@ def format_bytes(n: int | None) -> str:
 
 
 def format_time(unix: float | None) -> str:
-    """Local time to the second, e.g. ``2026-11-29 14:25:33``."""
+    """Local time to the second, e.g. ``2026-11-29 14:25:33``; ``invalid (...)`` for a value
+    that is no time a date can show (infinite, NaN, beyond year 9999, before 1970)."""
     if unix is None:
         return "-"
-    return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
+    value = _finite(unix)
+    if value is None or value < 0:
+        return _invalid(unix)
+    try:
+        return datetime.datetime.fromtimestamp(value).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, ValueError, OSError):
+        return _invalid(unix)
 
 
 def new_table(*columns: str, right: tuple[str, ...] = (), wrap: tuple[str, ...] = ()) -> Table:
@@ -502,6 +535,8 @@ def new_table(*columns: str, right: tuple[str, ...] = (), wrap: tuple[str, ...] 
 def format_seconds(value: float | None) -> str:
     if value is None:
         return "-"
+    if _finite(value) is None:
+        return _invalid(value)
     if value < 1:
         return f"{value * 1000:.1f}ms"
     return f"{value:.2f}s"
@@ -518,4 +553,11 @@ def format_mapping(values: Mapping[str, Any]) -> str:
 
 
 def iso_utc(unix: float) -> str:
-    return datetime.datetime.fromtimestamp(unix, datetime.timezone.utc).isoformat()
+    """ISO 8601 in UTC; ``invalid (...)`` for a value that is no time a date can show."""
+    value = _finite(unix)
+    if value is None or value < 0:
+        return _invalid(unix)
+    try:
+        return datetime.datetime.fromtimestamp(value, datetime.timezone.utc).isoformat()
+    except (OverflowError, ValueError, OSError):
+        return _invalid(unix)

@@ -10,6 +10,13 @@ Publishing is ``rename(2)`` of the staging directory to its final name followed
 by an fsync of the run directory: rename is atomic, so a reader sees either no
 ``step_…`` directory or a complete one, and the fsync makes the new name survive
 a power loss.
+
+A run directory is input from outside, so nothing here follows a symbolic link
+when it writes or deletes: ``scan`` lists only real directories (a ``step_…``
+that is a link, file, FIFO or device is not a checkpoint and is never listed,
+so retention and gc never touch it), ``delete`` removes at most a link itself,
+never what it points to, and ``shutil.rmtree`` never descends into links (its
+fd-based walk refuses a link at the top and unlinks links inside).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -86,7 +94,7 @@ class LocalStorage:
             os.fsync(f.fileno())
         os.replace(manifest_tmp, staging / MANIFEST_NAME)
         fsync_dir(staging)
-        if final.exists():
+        if os.path.lexists(final):
             raise CheckpointSaveError(
                 f"{final} already exists; a committed checkpoint is never overwritten "
                 f"(delete it first, or save under another step)"
@@ -109,9 +117,14 @@ class LocalStorage:
         return final
 
     def abort(self, staging: Path) -> None:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging)
 
     def scan(self) -> list[StepEntry]:
+        """Every checkpoint-named real directory of the run (committed, staging, moved aside).
+
+        Entries that are symbolic links, files, FIFOs or devices are skipped (only
+        ``lstat``, nothing is opened): stalwart never made them.
+        """
         entries: list[StepEntry] = []
         try:
             names = os.listdir(self.root)
@@ -119,6 +132,11 @@ class LocalStorage:
             return []
         for name in names:
             path = self.root / name
+            if not (_STEP_RE.match(name) or _TMP_RE.match(name)):
+                continue
+            if not _is_real_dir(path):
+                logger.debug("%s is not a real directory (a link?): not a checkpoint", path)
+                continue
             if m := _STEP_RE.match(name):
                 # A step directory without a manifest cannot come from our rename
                 # protocol (the manifest is in place before the rename); it was
@@ -157,4 +175,23 @@ class LocalStorage:
         doomed = self.root / f".{step_dir_name(step)}.del-{uuid.uuid4().hex[:12]}"
         os.rename(path, doomed)
         fsync_dir(self.root)
-        shutil.rmtree(doomed, ignore_errors=True)
+        _remove(doomed)
+
+
+def _is_real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path``, best effort: a directory tree without following any link in it
+    (rmtree's fd-based walk), or just the entry itself when it is a link or a file."""
+    if _is_real_dir(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -16,8 +16,9 @@ Two clients implement the same small surface (``ObjectClient``):
 Credentials come from each cloud's usual environment variables and config files
 (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``GOOGLE_APPLICATION_CREDENTIALS``,
 ``AZURE_STORAGE_ACCOUNT_KEY``, ...) or from ``options``. No message this module
-produces contains them: every error text passes through ``redact`` with the
-secret values the client knows of.
+produces contains them: every error text passes through ``redact_text`` (the
+one redaction of the library and the CLI: user parts of URLs, with or without a
+scheme, and secret query parameters) with the secret values the client knows of.
 
 Every operation raises ``DurableStoreError`` (``transient`` says whether a retry
 may help), ``FileNotFoundError`` for a missing object, or ``FileExistsError``
@@ -50,7 +51,9 @@ __all__ = [
     "RetryPolicy",
     "open_client",
     "redact",
+    "redact_text",
     "redact_url",
+    "url_secrets",
     "with_retries",
 ]
 
@@ -140,13 +143,56 @@ class ObjectClient(Protocol):
     def redact(self, text: str) -> str: ...
 
 
+# The user part of a URL: after ``scheme://`` (or ``scheme:/``, as ``Path`` prints a URL
+# taken for a path) up to the ``@``: ``user@`` or ``user:password@``. A password may hold
+# an unencoded ``/``; a ``/`` before any ``:`` is a path (``hf://datasets/x@main``).
+_URL_USERINFO = re.compile(
+    r"(\b[A-Za-z][A-Za-z0-9+.-]*:/{1,2})(?:[^\s'\"<>@/:]*:[^\s'\"<>@]+|[^\s'\"<>@/:]+)@"
+)
+# ``KEY:SECRET@host`` without a scheme (``durable="KEY:SECRET@bucket/p"``).
+_BARE_USERINFO = re.compile(r"(?<![^\s'\"<>(=,])[^\s'\"<>@:/(=,]+:(?!/)[^\s'\"<>@]+@")
+# Signed or token-carrying query parameters (S3 presigned URLs, Azure SAS, OAuth tokens).
+_SECRET_QUERY = re.compile(
+    r"([?&;](?:[A-Za-z0-9_.-]*(?:secret|key|token|password|passwd|credential|signature)"
+    r"[A-Za-z0-9_.-]*|sig|sv|se|sp|skoid|sktid)=)[^&;#\s'\"<>]+",
+    re.I,
+)
+
+
+def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with every credential stalwart can recognise replaced by ``***``.
+
+    The one redaction of the library and the CLI: the user part of URLs
+    (``s3://KEY:SECRET@bucket`` -> ``s3://***@bucket``, also ``KEY:SECRET@bucket``
+    without a scheme), secret query parameters (``X-Amz-Signature=``, ``sig=``,
+    ``token=``, ...) and every string of ``secrets`` (4 characters or more). The
+    clients add the values of credential environment variables (``redact``); they
+    are not hidden here, where a short one (``test``) would mangle paths. Pure;
+    safe to apply twice.
+    """
+    text = _URL_USERINFO.sub(r"\1***@", text)
+    text = _BARE_USERINFO.sub("***@", text)
+    text = _SECRET_QUERY.sub(r"\1***", text)
+    return redact(text, secrets)
+
+
 def redact_url(url: str) -> str:
-    """``url`` without a user or password part (``s3://KEY:SECRET@bucket`` -> ``s3://***@bucket``)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"***@{host}"))
+    """``url`` without credentials (``s3://KEY:SECRET@bucket`` -> ``s3://***@bucket``); see
+    ``redact_text``, which this is."""
+    return redact_text(url)
+
+
+def url_secrets(text: str) -> list[str]:
+    """The user and password parts of every URL (or bare ``KEY:SECRET@host``) in ``text``:
+    the exact strings to hide wherever else they show up (a path that mangled the URL)."""
+    found: list[str] = []
+    for match in (*_URL_USERINFO.finditer(text), *_BARE_USERINFO.finditer(text)):
+        userinfo = match.group(0)[len(match.group(1)) if match.groups() else 0 : -1]
+        # The whole, user and password, and the pieces of a password with a "/" in it (a
+        # path splits it there).
+        found += [userinfo, *userinfo.split(":", 1), *re.split(r"[:/]", userinfo)]
+    found = [part for part in found if part]
+    return found
 
 
 def redact(text: str, secrets: Iterable[str]) -> str:
@@ -308,7 +354,7 @@ class ObstoreClient:
             ) from None
 
     def redact(self, text: str) -> str:
-        return redact(text, self._secrets)
+        return redact_text(text, self._secrets)
 
     def _error(self, exc: Exception, what: str) -> Exception:
         from obstore import exceptions as oe
@@ -428,7 +474,7 @@ class FsspecClient:
         self._local = isinstance(fs, LocalFileSystem)
 
     def redact(self, text: str) -> str:
-        return redact(text, self._secrets)
+        return redact_text(text, self._secrets)
 
     def _path(self, key: str) -> str:
         return _join(self._root, key)
