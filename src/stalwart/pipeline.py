@@ -682,6 +682,22 @@ def load_checkpoint(
     _agree(coord, lambda: state.check(metadata, blobs, strict=strict))
     native = state.native_target(metadata, strict=strict)
     if native:
-        safe_load(native, path, process_group=group, metadata=metadata)
-    state.load_state_dict({**blobs, **native}, strict=strict)
+        _agree(coord, lambda: safe_load(native, path, process_group=group, metadata=metadata))
+
+    def apply() -> None:
+        try:
+            state.load_state_dict({**blobs, **native}, strict=strict)
+        except StalwartError:
+            raise
+        except Exception as exc:
+            raise StateMismatchError(
+                f"loading {path} into the state failed: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}; the live state may be partly "
+                "restored, so every rank stops here. Build the state as it was when saved"
+            ) from exc
+
+    # A component's load_state_dict can fail on one rank only (a shape error in
+    # its own per-rank values, a user object that raises): every rank must stop
+    # here together, never leave the others training out of step.
+    _agree(coord, apply)
     return manifest
