@@ -169,3 +169,23 @@ def test_component_failing_to_load_raises_a_state_mismatch(tmp_path: Path) -> No
         ckpt.save(1, stalwart.TrainState(model=n["G"], thing=Breaks()))
         with pytest.raises(stalwart.StateMismatchError, match="RuntimeError: size mismatch"):
             ckpt.restore(stalwart.TrainState(model=n["G"], thing=Breaks()))
+
+
+def test_module_in_extra_is_refused_with_the_keyword_form(tmp_path: Path) -> None:
+    n = nets()
+    state = stalwart.TrainState(model=n["G"], extra={"ema": n["ema"]})
+    with (
+        stalwart.CheckpointManager(tmp_path / "run") as ckpt,
+        pytest.raises(TypeError, match=r"\['ema'\] is a Sequential; pass modules .* by keyword"),
+    ):
+        ckpt.save(1, state)
+
+
+def test_module_state_dict_in_extra_warns_that_it_is_not_loaded_into_the_module(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    n = nets()
+    with caplog.at_level("WARNING", logger="stalwart"):
+        stalwart.TrainState(model=n["G"], extra={"ema": n["ema"].state_dict(), "epoch": 0})
+    assert "extra['ema'] looks like a module's state_dict()" in caplog.text
+    assert "epoch" not in caplog.text

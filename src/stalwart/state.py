@@ -29,6 +29,7 @@ at save time with the key that holds it.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
@@ -118,6 +119,7 @@ class TrainState:
         if extra is not None and not isinstance(extra, MutableMapping):
             raise TypeError(f"extra must be a dict (restored in place), got {type(extra).__name__}")
         self.extra = extra
+        _warn_state_dicts_in_extra(extra)
         self.components: dict[str, Any] = {}
         for name, obj in (
             ("scheduler", scheduler),
@@ -632,6 +634,22 @@ def _units(
     return units
 
 
+def _warn_state_dicts_in_extra(extra: Mapping[str, Any] | None) -> None:
+    for key, value in (extra or {}).items():
+        if (
+            isinstance(value, OrderedDict)
+            and value
+            and all(isinstance(v, torch.Tensor) for v in value.values())
+        ):
+            logger.warning(
+                "extra[%r] looks like a module's state_dict(): a restore puts it back into "
+                "extra, never into the module. Pass the module itself by keyword instead "
+                "(TrainState(..., %s=module)); see docs/multi-model.md",
+                key,
+                key,
+            )
+
+
 def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
@@ -965,6 +983,13 @@ def _check_plain(sd: Any, prefix: str) -> None:
             for i, v in enumerate(value):
                 walk(v, (*path, i))
             return
+        if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+            # Its state_dict() in extra would save, but never load back into the object.
+            raise TypeError(
+                f"state{_where(prefix, path)} is a {type(value).__name__}; pass modules and "
+                "optimizers to TrainState by keyword (TrainState(..., ema=ema_model)) so they "
+                "are saved through DCP and loaded back into the object (docs/multi-model.md)"
+            )
         raise TypeError(
             f"state{_where(prefix, path)} is a {type(value).__module__}."
             f"{type(value).__qualname__}; stalwart stores only tensors and plain data (None, "
