@@ -97,3 +97,17 @@ def test_restore_failing_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None
     assert "rank 1 restore-error StateMismatchError" in out, out
     assert "injected load failure on rank 1" in out
     assert set(starts(proc)) == set(), out  # no rank went on training
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_per_rank_values_at_another_world_size_fall_back_to_rank_0_with_a_warning(
+    tmp_path: Path, kind: str
+) -> None:
+    """Objects with per-rank values never make a strict restore fail at another world size."""
+    run = str(tmp_path / "run")
+    common = ("--parallel", kind, "--run-dir", run, "--every", "4")
+    ok(torchrun(2, *common, "--steps", "8", script=GAN))
+    proc = ok(torchrun(3, *common, "--steps", "10", script=GAN))
+    assert set(starts(proc)) == {8}, proc.stdout
+    assert "no per-rank values for rank_2" in proc.stderr, proc.stderr[-3000:]
+    assert "no per-rank values for rank_0" not in proc.stderr
