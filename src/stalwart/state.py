@@ -469,10 +469,13 @@ class _Unit:
         for opt, was_fresh in zip(self.optimizers, fresh, strict=True):
             if was_fresh:
                 opt.state.clear()
-        if self.model_path is not None:
-            _put(sd, self.model_path, model_sd)
+        # Optimizer first, as stalwart always wrote it: DCP gives each replicated
+        # entry to the rank with the least planned bytes so far, in this order,
+        # and this order spreads a DDP state evenly over the ranks.
         assert self.optim_path is not None
         _put(sd, self.optim_path, optim_sd)
+        if self.model_path is not None:
+            _put(sd, self.model_path, model_sd)
         return all(fresh)
 
     def rank_local_paths(self, sd: dict[str, Any]) -> list[tuple[str, tuple[str | int, ...]]]:
