@@ -8,6 +8,10 @@ form that cannot be saved correctly must be refused when the state is built.
 from __future__ import annotations
 
 import copy
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +193,32 @@ def test_module_state_dict_in_extra_warns_that_it_is_not_loaded_into_the_module(
         stalwart.TrainState(model=n["G"], extra={"ema": n["ema"].state_dict(), "epoch": 0})
     assert "extra['ema'] looks like a module's state_dict()" in caplog.text
     assert "epoch" not in caplog.text
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_python(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
+
+
+def test_runnable_examples_of_the_multi_model_guide_run_and_resume(tmp_path: Path) -> None:
+    text = (REPO / "docs" / "multi-model.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "import " in b]
+    assert blocks
+    for i, block in enumerate(blocks):
+        (tmp_path / f"block{i}.py").write_text(block)
+        for _ in range(2):  # the second run restores what the first saved
+            proc = run_python(tmp_path, f"block{i}.py")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_gan_example_runs_in_one_process_and_resumes(tmp_path: Path) -> None:
+    gan = str(REPO / "examples" / "gan.py")
+    first = run_python(tmp_path, gan, "--run-dir", "run", "--steps", "6", "--every", "3")
+    assert first.returncode == 0 and "rank 0 start 0" in first.stdout, first.stderr[-3000:]
+    again = run_python(tmp_path, gan, "--run-dir", "run", "--steps", "8", "--every", "3")
+    assert again.returncode == 0 and "rank 0 start 6" in again.stdout, again.stderr[-3000:]
