@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=33, help="odd: FSDP2 shards unevenly")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    ap.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     ap.add_argument("--crash-at", type=int, default=None)
     ap.add_argument("--crash-rank", type=int, default=0)
     ap.add_argument("--out", default=None)
@@ -161,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         extra=extra,
     )
     losses: list[str] = []
-    with stalwart.CheckpointManager(args.run_dir, every_steps=args.every, keep_last=2) as ckpt:
+    with stalwart.CheckpointManager(
+        args.run_dir, every_steps=args.every, keep_last=2, async_save=args.async_save
+    ) as ckpt:
         start = ckpt.restore(state) or 0
         print(f"rank {rank} start {start}", flush=True)
         batches = loader.forever()

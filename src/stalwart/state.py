@@ -696,7 +696,7 @@ def _digest(value: Any) -> str:
             t = t.cpu() if t.device.type != "cpu" else t
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
             if t.numel():
-                h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         elif isinstance(v, Mapping):
             h.update(b"{")
             for k, x in v.items():

@@ -38,8 +38,13 @@ def main() -> int:
     args = ap.parse_args()
     rank, _world = stalwart.init_distributed("gloo")
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
+    # A container of DDP modules: its manifest layout is ddp, not replicated.
+    model = torch.nn.ModuleDict(
+        {
+            "net": torch.nn.parallel.DistributedDataParallel(
+                torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
+            )
+        }
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     counter = Counter(rank, fail=rank == args.fail_load_rank)
@@ -57,7 +62,7 @@ def main() -> int:
             torch.manual_seed(10 + rank)
             for step in range(start, args.steps):
                 opt.zero_grad()
-                model(torch.randn(4, 3)).pow(2).mean().backward()
+                model["net"](torch.randn(4, 3)).pow(2).mean().backward()
                 opt.step()
                 extra["mine"] = 1000 * rank + step + 1
                 counter.n = 100 * rank + step + 1

@@ -9,6 +9,7 @@ and a restore that fails on one rank.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -50,11 +51,17 @@ def losses(out: Path, rank: int) -> list[tuple[str, str]]:
     return [(line.split()[0], line) for line in lines]
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_killed_gan_resumes_bit_exact_on_every_rank(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "save"), [("ddp", []), ("fsdp2", []), ("ddp", ["--async-save"])], ids=str
+)
+def test_killed_gan_resumes_bit_exact_on_every_rank(
+    tmp_path: Path, kind: str, save: list[str]
+) -> None:
     """Weights, BatchNorm buffers, the EMA, both optimizers, per-rank extra and every loss."""
     ref = gan(tmp_path, "ref", kind)
-    killed = gan(tmp_path, "killed", kind, "--crash-at", "12", "--crash-rank", "1", restarts=1)
+    killed = gan(
+        tmp_path, "killed", kind, "--crash-at", "12", "--crash-rank", "1", *save, restarts=1
+    )
     for rank in range(2):
         a = torch.load(f"{ref}.rank{rank}", weights_only=False)
         b = torch.load(f"{killed}.rank{rank}", weights_only=False)
@@ -68,6 +75,11 @@ def test_killed_gan_resumes_bit_exact_on_every_rank(tmp_path: Path, kind: str) -
     keys = set(read_dcp_metadata(tmp_path / "killed-run" / "step_000000015").state_dict_metadata)
     assert {"per_rank.rank_0", "per_rank.rank_1"} <= keys
     assert "ema.0.weight" in keys  # the EMA went through DCP, not as one rank's blob
+    manifest = json.loads(
+        (tmp_path / "killed-run" / "step_000000015" / "MANIFEST.json").read_text()
+    )
+    ema = "fsdp2" if kind == "fsdp2" else "replicated"
+    assert manifest["topology"]["modules"] == {"model.G": kind, "model.D": kind, "ema": ema}
 
 
 def test_uninterrupted_runs_differ_per_rank(tmp_path: Path) -> None:
@@ -85,6 +97,9 @@ def test_per_rank_extra_and_state_come_back_to_their_rank(tmp_path: Path) -> Non
     proc = ok(torchrun(2, "--run-dir", run, "--steps", "6", script=WORKER))
     assert "rank 0 start 4 mine 4 n 4" in proc.stdout, proc.stdout
     assert "rank 1 start 4 mine 1004 n 104" in proc.stdout, proc.stdout
+    manifest = json.loads((tmp_path / "run" / "step_000000006" / "MANIFEST.json").read_text())
+    assert manifest["topology"]["parallelism"] == "ddp"
+    assert manifest["topology"]["modules"] == {"model": "ddp"}
 
 
 def test_restore_failing_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
