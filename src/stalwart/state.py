@@ -4,20 +4,32 @@ The state dict has one section per component::
 
     {"model": ..., "optimizer": ...,        # via torch.distributed.checkpoint.state_dict,
                                             # so DDP and FSDP2 models work unchanged
+                                            # (model={"G": .., "D": ..}: model.G, optimizer.G, ...)
+     "<module or optimizer keyword>": ...,  # the same way (ema=..., optD=...)
      "scheduler": ..., "scaler": ...,       # their own state_dict()
      "data": ...,                           # data position (sampler / loader state)
      "rng": {"rank_0": {...}},              # RNG streams of each rank
      "extra": {...},                        # user values (plain data and tensors)
      "<name>": ...,                         # any other Stateful passed by keyword
+     "per_rank": {"rank_0": ...},           # each rank's own copy of values that differ
      "_stalwart": {...}}                    # bookkeeping of TrainState itself
 
-Model and optimizer are handed to DCP as they are: their tensors are written
+Modules and optimizers are handed to DCP as they are: their tensors are written
 as tensors, each rank writes its own shards, and a restore at another world
-size reshards them. Every other section is a *blob*: its state dict, moved to
-CPU and wrapped in a 1-tuple, which DCP's traversal keeps whole and stores as
-one entry. A blob comes back exactly as it was saved (empty dicts and lists,
+size reshards them. Each optimizer is bound to the module holding all its
+parameters. Every other section is a *blob*: its state dict, moved to CPU and
+wrapped in a 1-tuple, which DCP's traversal keeps whole and stores as one
+entry. A blob comes back exactly as it was saved (empty dicts and lists,
 integer keys and nesting included), which DCP's per-key flattening would not
 guarantee (it drops empty containers).
+
+DCP stores a tensor that is not sharded once, written by one rank, and so does
+it with a blob. Values that may differ between ranks (module buffers such as
+BatchNorm statistics, all of a plain module, each key of ``extra``, each
+stateful object) are digested at save time (``rank_digests``); the manager
+gathers the digests, and a value that differs is also written by each rank as
+``per_rank.rank_<r>`` (``with_rank_values``), which a restore puts back in
+place of the shared copy (rank 0's at a world size that lacks this rank).
 
 Non-tensor values must be plain data (None, bool, int, float, str, bytes, and
 lists, tuples and dicts of them). That is what makes loading safe: stalwart
@@ -84,10 +96,15 @@ class TrainState:
     Call from the training thread; every rank holds its own TrainState over its
     own (possibly sharded) model.
 
-    ``rng=True`` captures python ``random``, numpy's global RNG, torch CPU and
-    every CUDA device, separately for each rank. ``extra`` is a dict of user
-    values restored in place (the same dict object is updated). Further keyword
-    arguments name other objects with ``state_dict``/``load_state_dict``.
+    ``model`` is a module or a dict of modules by name; ``optimizer`` one
+    optimizer, a list, or a dict by name, each bound to the module that holds
+    all its parameters (a form that cannot be saved correctly raises
+    ``ValueError`` here, with the supported forms). ``rng=True`` captures python
+    ``random``, numpy's global RNG, torch CPU and every CUDA device, separately
+    for each rank. ``extra`` is a dict of user values restored in place (the
+    same dict object is updated). Further keyword arguments are modules and
+    optimizers (saved through DCP like ``model``) or other objects with
+    ``state_dict``/``load_state_dict``. See docs/multi-model.md.
     """
 
     def __init__(
