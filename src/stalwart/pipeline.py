@@ -666,7 +666,10 @@ def load_checkpoint(
 
     Collective over ``coordinator``: ranks share the checksumming, and an error
     found by any rank (corruption, unsafe content, mismatched keys) is raised on
-    every rank, before anything live is modified.
+    every rank, before anything live is modified. An error while the loaded
+    values are put into the live objects (a component's ``load_state_dict``
+    raising on one rank) is raised on every rank too, as ``StateMismatchError``:
+    no rank goes on training while another stopped.
     """
     coord = coordinator if coordinator is not None else Coordinator(None, timeout=0.0, name="local")
 
