@@ -74,6 +74,8 @@ _BUILTIN_SECTIONS = ("model", "optimizer", "scheduler", "scaler", "data", "rng",
 _META = "_stalwart"
 _PER_RANK = "per_rank"
 """Section of values that differ between ranks: ``per_rank.rank_<r>`` is rank r's own copy."""
+_EXTRA_KEYS = "keys:extra"
+"""Digest key of the list of ``extra``'s keys (a rank with keys of its own saves all of it)."""
 _RESERVED = frozenset({"model", "optimizer", "rng", "extra", _META, _PER_RANK})
 _PLAIN_LEAVES = (type(None), bool, int, float, str, bytes, torch.dtype, torch.Size)
 
@@ -205,6 +207,8 @@ class TrainState:
         if self.extra is not None:
             sd["extra"] = _blob(dict(self.extra), "['extra']")
             candidates.extend((f"extra:{k}", ("extra", k)) for k in self.extra)
+            # Keys of a rank's own (extra["batch_rank_1"]): then the whole dict is per rank.
+            candidates.append((_EXTRA_KEYS, ("extra",)))
         meta["sections"] = sorted(sd)
         sd[_META] = _blob(meta, f"[{_META!r}]")
         self._candidates = candidates
@@ -219,7 +223,10 @@ class TrainState:
         """
         if not distributed.is_distributed():
             return {}
-        return {key: _digest(_value_at(sd, path)) for key, path in self._candidates}
+        return {
+            key: _digest(list(_value_at(sd, path)) if key == _EXTRA_KEYS else _value_at(sd, path))
+            for key, path in self._candidates
+        }
 
     def with_rank_values(self, sd: dict[str, Any], digests: list[dict[str, str]]) -> dict[str, Any]:
         """``sd`` plus a ``per_rank.rank_<r>`` section holding this rank's own copy of
@@ -242,7 +249,7 @@ class TrainState:
             value = _value_at(sd, path)
             if key.startswith("extra:"):
                 own["extra"][path[1]] = value
-            elif key.startswith("section:"):
+            elif key.startswith("section:") or key == _EXTRA_KEYS:
                 own["sections"][path[0]] = value
             else:
                 own["tensors"].append([list(path), value])

@@ -48,7 +48,7 @@ def main() -> int:
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     counter = Counter(rank, fail=rank == args.fail_load_rank)
-    extra = {"mine": -1}
+    extra = {"mine": -1, f"only_on_rank_{rank}": -1}
     state = stalwart.TrainState(model=model, optimizer=opt, extra=extra, counter=counter)
     code = 0
     with stalwart.CheckpointManager(args.run_dir, every_steps=2, save_timeout=30) as ckpt:
@@ -58,13 +58,18 @@ def main() -> int:
             print(f"rank {rank} restore-error {type(exc).__name__}: {exc}", flush=True)
             code = 4
         else:
-            print(f"rank {rank} start {start} mine {extra['mine']} n {counter.n}", flush=True)
+            print(
+                f"rank {rank} start {start} mine {extra['mine']} n {counter.n} "
+                f"keys {','.join(sorted(extra))}",
+                flush=True,
+            )
             torch.manual_seed(10 + rank)
             for step in range(start, args.steps):
                 opt.zero_grad()
                 model["net"](torch.randn(4, 3)).pow(2).mean().backward()
                 opt.step()
                 extra["mine"] = 1000 * rank + step + 1
+                extra[f"only_on_rank_{rank}"] = step  # a key of this rank's own
                 counter.n = 100 * rank + step + 1
                 ckpt.save(step + 1, state)
     del model, state, opt
