@@ -77,20 +77,29 @@ def _stalwart_version() -> str:
     return __version__
 
 
-def _parallelism(state: TrainState) -> str:
-    """How the model is laid out across ranks, for the manifest."""
-    model = state.model
-    if model is None:
-        return "none"
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return "ddp"
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed tensors
-        return "replicated"
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+def _layout(module: torch.nn.Module, world_size: int) -> str:
+    """How one module is laid out across ranks: ddp, fsdp2, replicated or plain."""
+    if any(isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in module.modules()):
+        return "ddp"  # also a container (nn.ModuleDict) of DDP-wrapped modules
+    if any(type(p).__name__ == "DTensor" for p in module.parameters()):
         return "fsdp2"
-    return "replicated"
+    # An unwrapped module: every rank holds all of it (an EMA copy, a frozen teacher).
+    return "replicated" if world_size > 1 else "plain"
+
+
+def _module_layouts(state: TrainState, world_size: int) -> dict[str, str]:
+    """The layout of every module of ``state`` by its section (``model``, ``model.G``, ``ema``)."""
+    return {name: _layout(module, world_size) for name, module in state.modules.items()}
+
+
+def _parallelism(state: TrainState, world_size: int = 1) -> str:
+    """The layout of the trained model (``model=``), for the manifest: one word, or ``mixed``."""
+    layouts = _module_layouts(state, world_size)
+    main = {v for k, v in layouts.items() if k == "model" or k.startswith("model.")}
+    kinds = main or set(layouts.values())
+    if not kinds:
+        return "none"
+    return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
 class CheckpointManager:
@@ -506,16 +515,24 @@ class CheckpointManager:
         # ranks agree on that before any of them starts writing.
         local_error: Exception | None = None
         staged: dict[str, Any] = {}
+        digests: dict[str, str] = {}
         try:
             staged = state.state_dict()
             if self._saver is not None:
                 staged = self._staging.stage(staged)
+            digests = state.rank_digests(staged)
         except Exception as exc:
             local_error = exc
         try:
-            reports = self._coord.all_gather(
-                None if local_error is None else f"{type(local_error).__name__}: {local_error}"
+            # One gather carries both each rank's error and the digests of its
+            # values that may differ between ranks (buffers, extra, stateful objects).
+            gathered = self._coord.all_gather(
+                (
+                    None if local_error is None else f"{type(local_error).__name__}: {local_error}",
+                    digests,
+                )
             )
+            reports = [report for report, _ in gathered]
             manifest = self._manifest(step, state, metrics_json)
         except CoordinationError as exc:
             raise self._peer_failure(step, exc) from None
@@ -535,6 +552,7 @@ class CheckpointManager:
                 raise CheckpointSaveError(
                     f"saving step {step} failed: rank {rank} could not collect its state: {report}"
                 )
+        staged = state.with_rank_values(staged, [d for _, d in gathered])
         self._last_saved_step = step
         if self._saver is None:
             try:
@@ -598,7 +616,8 @@ class CheckpointManager:
             metrics=metrics,
             topology={
                 "world_size": self.world_size,
-                "parallelism": _parallelism(state),
+                "parallelism": _parallelism(state, self.world_size),
+                "modules": _module_layouts(state, self.world_size),
                 "hosts": {str(r): h for r, h in enumerate(self._hosts)},
             },
         )

@@ -700,7 +700,10 @@ def load_checkpoint(
 
     Collective over ``coordinator``: ranks share the checksumming, and an error
     found by any rank (corruption, unsafe content, mismatched keys) is raised on
-    every rank, before anything live is modified.
+    every rank, before anything live is modified. An error while the loaded
+    values are put into the live objects (a component's ``load_state_dict``
+    raising on one rank) is raised on every rank too, as ``StateMismatchError``:
+    no rank goes on training while another stopped.
     """
     coord = coordinator if coordinator is not None else Coordinator(None, timeout=0.0, name="local")
 
@@ -716,17 +719,22 @@ def load_checkpoint(
     _agree(coord, lambda: state.check(metadata, blobs, strict=strict))
     native = state.native_target(metadata, strict=strict)
     if native:
-        safe_load(native, path, process_group=group, metadata=metadata)
-    try:
-        state.load_state_dict({**blobs, **native}, strict=strict)
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-        if isinstance(exc, StalwartError):
+        _agree(coord, lambda: safe_load(native, path, process_group=group, metadata=metadata))
+
+    def apply() -> None:
+        try:
+            state.load_state_dict({**blobs, **native}, strict=strict)
+        except StalwartError:
             raise
-        # The right keys holding values of the wrong kind (a float where a list
-        # of parameters belongs): a checkpoint that does not fit this state, like
-        # one of another model, and never a bare TypeError out of restore.
-        raise StateMismatchError(
-            f"{path}: a value in the checkpoint does not fit the state "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
+        except Exception as exc:
+            raise StateMismatchError(
+                f"loading {path} into the state failed: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}; the live state may be partly "
+                "restored, so every rank stops here. Build the state as it was when saved"
+            ) from exc
+
+    # A component's load_state_dict can fail on one rank only (a shape error in
+    # its own per-rank values, a user object that raises): every rank must stop
+    # here together, never leave the others training out of step.
+    _agree(coord, apply)
     return manifest

@@ -15,8 +15,9 @@ WORKER = Path(__file__).parents[1] / "distributed" / "worker.py"
 
 
 def torchrun(
-    nproc: int, *args: str, restarts: int = 0, timeout: float = 240
+    nproc: int, *args: str, restarts: int = 0, timeout: float = 240, script: Path = WORKER
 ) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone`` of ``script`` (the test worker by default) with ``args``."""
     cmd = [
         sys.executable,
         "-m",
@@ -25,7 +26,7 @@ def torchrun(
         f"--nproc-per-node={nproc}",
         f"--max-restarts={restarts}",
         "--monitor-interval=0.2",
-        str(WORKER),
+        str(script),
         *args,
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
