@@ -70,7 +70,9 @@ class Shim:
     def __init__(self) -> None:
         lib = ctypes.CDLL(None)
         if not hasattr(lib, "iofault_arm"):
-            raise RuntimeError("the iofault shim is not loaded: start this process with preload_env")
+            raise RuntimeError(
+                "the iofault shim is not loaded: start this process with preload_env"
+            )
         lib.iofault_arm.argtypes = [ctypes.c_char_p, ctypes.c_long, ctypes.c_int, ctypes.c_char_p]
         lib.iofault_arm.restype = ctypes.c_int
         lib.iofault_disarm.restype = ctypes.c_long
