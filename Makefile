@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # torch==2.13.0 takes the local CPU build; a looser range may pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test lint typecheck pytest demo bench clean
+.PHONY: venv test lint typecheck pytest demo bench clean faults
 
 venv: $(VENV)/.installed
 
@@ -39,3 +39,8 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+
+# Every file-system call of a save, an async save, a durable upload and a restore,
+# failed with each of ENOSPC, EIO, EDQUOT and EROFS (the test suite runs a subset).
+faults: venv
+	FAULTS_ALL=1 $(PY) -m pytest -q -s tests/faults/test_syscall_faults.py tests/faults/test_crash_states.py

@@ -3,9 +3,10 @@
 An LD_PRELOAD shim (tests/support/iofault.c) sits between the process and libc:
 it numbers the real calls made under a case's directory (stalwart's own,
 DCP's and torch's writes, the file:// durable tier's) and makes call number N
-fail with ENOSPC, EIO, EDQUOT or EROFS. A first run of each scenario only
-counts the calls; then one case per (N, errno) runs in a child process that
-arms the shim through ctypes, so that hundreds of cases share one start-up.
+fail with ENOSPC, EIO, EDQUOT or EROFS (once, or, for a disk that stays full,
+from N on). A first run of each scenario only counts the calls; then one case
+per (N, errno) runs in a child process that arms the shim through ctypes, so
+that hundreds of cases share one start-up.
 
 After every case:
 
@@ -50,7 +51,8 @@ from .faulty import tree_digest
 
 REPO = Path(__file__).resolve().parents[2]
 ERRNOS = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO, "EDQUOT": errno.EDQUOT, "EROFS": errno.EROFS}
-SCENARIOS = ("sync", "async", "durable", "restore")
+SCENARIOS = ("sync", "async", "durable", "restore", "full")
+"""``full``: a sync save on a disk that stays broken: call N and every call after it fail."""
 FAST = RetryPolicy(initial_backoff=0.02, max_backoff=0.1, deadline=30.0, request_timeout=10.0)
 """Retries of the durable tier: a failed call is retried within a tenth of a second."""
 
@@ -113,7 +115,7 @@ def run_case(shim: Shim, mode: str, case: Path, fail_at: int, err: int, log: Pat
     ckpt = _manager(run, mode, tier)
     state, _ = model_state(999 if mode == "restore" else 2)
     got: Any = None
-    shim.arm(case, fail_at=fail_at, errno=err, log=log)
+    shim.arm(case, fail_at=fail_at, errno=err, log=log, persistent=mode == "full")
     try:
         if mode == "restore":
             got = ckpt.restore(state)
@@ -144,7 +146,11 @@ def run_case(shim: Shim, mode: str, case: Path, fail_at: int, err: int, log: Pat
         if got not in (1, 2) or not _same(weights, model_state(got)[1]):
             problems.append(f"restore returned {got!r} and weights that are not that step's")
         outcome = f"restored step {got}"
-    elif mode in ("sync", "async") and outcome != "ok" and 2 in LocalStorage(run).committed_steps():
+    elif (
+        mode in ("sync", "async", "full")
+        and outcome != "ok"
+        and 2 in LocalStorage(run).committed_steps()
+    ):
         # A save that reported failure committed nothing (the durable tier's errors
         # come after the local commit, which stands).
         problems.append(f"the save raised {outcome}, yet step 2 is committed")

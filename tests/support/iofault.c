@@ -8,10 +8,12 @@
  * armed directory, or when its descriptor was opened under it. Every watched
  * call gets the next number 1, 2, ...; the call numbered FAIL_AT fails with
  * ERRNO instead of running (close and fclose still release the descriptor, as
- * the kernel does when close reports an error). FAIL_AT = 0 only counts.
+ * the kernel does when close reports an error), and with PERSISTENT=1 so does
+ * every watched call after it. FAIL_AT = 0 only counts.
  *
  * Arming: at start from the environment (IOFAULT_DIR, IOFAULT_FAIL_AT,
- * IOFAULT_ERRNO, IOFAULT_LOG), or at any time through iofault_arm() and
+ * IOFAULT_ERRNO, IOFAULT_PERSISTENT, IOFAULT_LOG; IOFAULT_REPORT=1 prints the
+ * count at exit), or at any time through iofault_arm() and
  * iofault_disarm(), which a test calls with ctypes, so that one process runs
  * many cases. With a log path, every watched call appends one line:
  *
@@ -44,6 +46,7 @@ static char g_dir[PATH_MAX];
 static size_t g_dirlen;
 static volatile int g_armed;
 static long g_fail_at;
+static int g_persistent;
 static int g_errno;
 static long g_count;
 static int g_log_fd = -1;
@@ -106,8 +109,9 @@ DECLARE_REAL(ssize_t, copy_file_range, int, off_t *, int, off_t *, size_t, unsig
 /* ------------------------------------------------------------------ control (ctypes) */
 
 /* Watch calls under `dir` (an absolute path), fail the call numbered `fail_at` (0: none)
- * with `err`, and append the log to `log_path` (NULL or "": no log). Resets the count. */
-int iofault_arm(const char *dir, long fail_at, int err, const char *log_path) {
+ * with `err` (and, when `persistent`, every call after it: a disk that stays full), and
+ * append the log to `log_path` (NULL or "": no log). Resets the count. */
+int iofault_arm(const char *dir, long fail_at, int err, const char *log_path, int persistent) {
     t_busy++;
     pthread_mutex_lock(&g_log_lock);
     g_armed = 0;
@@ -119,6 +123,7 @@ int iofault_arm(const char *dir, long fail_at, int err, const char *log_path) {
     g_dirlen = n;
     __atomic_store_n(&g_count, 0, __ATOMIC_SEQ_CST);
     g_fail_at = fail_at;
+    g_persistent = persistent;
     g_errno = err;
     g_failed_op[0] = 0;
     memset(g_watched, 0, sizeof g_watched);
@@ -219,7 +224,7 @@ static int next_call(const char *op, const char *path) {
         snprintf(g_failed_op, sizeof g_failed_op, "%s %s", op, path ? path : "?");
         return 1;
     }
-    return 0;
+    return g_persistent && g_fail_at > 0 && n > g_fail_at;
 }
 
 static void log_call(const char *op, unsigned long ino, const char *path, const char *path2,
@@ -680,7 +685,9 @@ __attribute__((constructor)) static void iofault_init(void) {
     if (dir && *dir) {
         const char *at = getenv("IOFAULT_FAIL_AT");
         const char *err = getenv("IOFAULT_ERRNO");
-        iofault_arm(dir, at ? atol(at) : 0, err ? atoi(err) : EIO, getenv("IOFAULT_LOG"));
+        const char *persistent = getenv("IOFAULT_PERSISTENT");
+        iofault_arm(dir, at ? atol(at) : 0, err ? atoi(err) : EIO, getenv("IOFAULT_LOG"),
+                    persistent && *persistent == '1');
     }
     atexit(report_at_exit);
 }

@@ -73,7 +73,13 @@ class Shim:
             raise RuntimeError(
                 "the iofault shim is not loaded: start this process with preload_env"
             )
-        lib.iofault_arm.argtypes = [ctypes.c_char_p, ctypes.c_long, ctypes.c_int, ctypes.c_char_p]
+        lib.iofault_arm.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_long,
+            ctypes.c_int,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
         lib.iofault_arm.restype = ctypes.c_int
         lib.iofault_disarm.restype = ctypes.c_long
         lib.iofault_count.restype = ctypes.c_long
@@ -81,11 +87,19 @@ class Shim:
         self._lib = lib
 
     def arm(
-        self, directory: Path, *, fail_at: int = 0, errno: int = 0, log: Path | None = None
+        self,
+        directory: Path,
+        *,
+        fail_at: int = 0,
+        errno: int = 0,
+        log: Path | None = None,
+        persistent: bool = False,
     ) -> None:
-        """Number the calls under ``directory`` from 1; fail call ``fail_at`` (0: none) with ``errno``."""
+        """Number the calls under ``directory`` from 1; fail call ``fail_at`` (0: none) with
+        ``errno``, and every later one too when ``persistent`` (a disk that stays full)."""
         log_arg = None if log is None else os.fsencode(log)
-        if self._lib.iofault_arm(os.fsencode(directory), fail_at, errno, log_arg) != 0:
+        code = self._lib.iofault_arm(os.fsencode(directory), fail_at, errno, log_arg, persistent)
+        if code != 0:
             raise OSError(f"iofault: cannot open the log {log}")
 
     def disarm(self) -> int:
