@@ -15,7 +15,9 @@ POSIX file system may be left in by a crash after any call:
 Each distinct state is made into a real directory and restored by a fresh
 manager: the result must be step 2 bit-exact or step 1 bit-exact, step 2 must
 be there once ``commit`` returned, and a step directory with a manifest must
-verify in full (a torn checkpoint is never one that exists).
+verify in full (a torn checkpoint is never one that exists). Retention
+(``keep_last=1``) deletes step 1 right after the commit, so the states of a
+crash during that deletion are checked too: never both checkpoints gone.
 """
 
 from __future__ import annotations
@@ -46,10 +48,14 @@ ENTRY_OPS = ("mkdir", "create", "rename", "link", "unlink", "rmdir")
 
 
 def record(work: Path) -> None:
-    """Save step 1, copy the run aside, then save step 2 with the shim recording."""
+    """Save step 1, copy the run aside, then save step 2 with the shim recording.
+
+    ``keep_last=1``: after committing step 2, retention deletes step 1 (rename
+    aside, fsync, remove), so a crash there is among the states too.
+    """
     shim = Shim()
     run = work / "run"
-    ckpt = _manager(run, "sync")
+    ckpt = stalwart.CheckpointManager(run, keep_last=1, handle_signals=False)
     assert ckpt.save(1, model_state(1)[0])
     shutil.copytree(run, work / "before", symlinks=True)
     inodes = {str(p.relative_to(run)): p.lstat().st_ino for p in [run, *run.rglob("*")]}
@@ -153,6 +159,14 @@ class Recording:
                 )
         return events
 
+    def published(self) -> int:
+        """Index of the event that renamed the staging directory to ``step_000000002``."""
+        return next(
+            i
+            for i, e in enumerate(self.events)
+            if e.kind == "rename" and e.dst == (self.root, step_dir_name(2))
+        )
+
     def content(self, ino: int, extents: list[Event]) -> bytes:
         """The bytes of file ``ino`` once ``extents`` (writes) reached the disk."""
         data = bytearray(self.nodes[ino].base)
@@ -180,13 +194,26 @@ def crash_states(rec: Recording) -> list[tuple[int, str, dict[str, bytes | None]
         keep_sets = {("all", frozenset(loose)), ("none", frozenset())}
         keep_sets |= {(f"first {j}", frozenset(loose[:j])) for j in range(1, len(loose))}
         keep_sets |= {(f"all but {i}", frozenset(loose) - {i}) for i in loose}
+        # Which unsynced file data survives: all, none, all torn at the end, all but one file's.
+        unsynced = sorted(
+            {
+                e.ino
+                for i, e in enumerate(done)
+                if e.kind == "write" and synced_at.get(e.ino, -1) < i
+            }
+        )
+        data_variants = [("all", None), ("none", None), ("torn", None)]
+        data_variants += [("all", ino) for ino in unsynced]
         for entry_variant, kept_loose in sorted(keep_sets):
-            for data_variant in ("all", "none", "torn"):
-                tree = _materialize(rec, done, synced_at, kept_loose, data_variant)
+            for data, lost in data_variants:
+                tree = _materialize(rec, done, synced_at, kept_loose, data, lost)
                 key = hashlib.sha256(
                     repr(sorted((p, b) for p, b in tree.items())).encode()
                 ).hexdigest()
-                states.setdefault(key, (k, f"entries: {entry_variant}; data: {data_variant}", tree))
+                variant = f"entries: {entry_variant}; data: {data}"
+                if lost is not None:
+                    variant += f" but inode {lost}'s"
+                states.setdefault(key, (k, variant, tree))
     return list(states.values())
 
 
@@ -196,6 +223,7 @@ def _materialize(
     synced_at: dict[int, int],
     kept_loose: frozenset[int],
     data: str,
+    lost: int | None,
 ) -> dict[str, bytes | None]:
     children = {ino: dict(c) for ino, c in rec.initial.items()}
     extents: dict[int, list[tuple[int, Event]]] = {}
@@ -229,10 +257,10 @@ def _materialize(
                 last_sync = synced_at.get(child, -1)
                 synced = [w for i, w in writes if i < last_sync]
                 loose = [w for i, w in writes if i > last_sync]
-                if data == "all":
-                    kept = synced + loose
-                elif data == "none" or not loose:
+                if data == "none" or not loose or child == lost:
                     kept = synced
+                elif data == "all":
+                    kept = synced + loose
                 else:  # torn: the unsynced writes but the last, and half of that one
                     last = loose[-1]
                     kept = synced + loose[:-1] + [dataclasses.replace(last, size=last.size // 2)]
@@ -296,16 +324,20 @@ def test_the_recording_holds_the_commit_protocol(recording: Recording) -> None:
     """Data files fsynced, manifest fsynced and renamed, staging fsynced, renamed, run fsynced."""
     kinds = [e.kind for e in recording.events]
     assert {"mkdir", "create", "write", "fsync", "rename"} <= set(kinds), kinds
-    last = max(i for i, kind in enumerate(kinds) if kind == "rename")
-    assert recording.events[last].dst == (recording.root, step_dir_name(2))
-    assert any(e.kind == "fsync" and e.ino == recording.root for e in recording.events[last:])
+    published = recording.published()
+    assert any(e.kind == "fsync" and e.ino == recording.root for e in recording.events[published:])
+    # Retention removes step 1 only after step 2 is published: rename aside, then remove.
+    after = recording.events[published + 1 :]
+    removal = [e for e in after if e.kind in ("rename", "unlink", "rmdir")]
+    assert removal[0].kind == "rename" and removal[0].src == (recording.root, step_dir_name(1))
+    assert removal[-1].kind == "rmdir", removal
 
 
 def test_every_crash_state_restores_a_whole_checkpoint(
     recording: Recording, tmp_path: Path
 ) -> None:
     events = recording.events
-    final_rename = max(i for i, e in enumerate(events) if e.kind == "rename")
+    final_rename = recording.published()
     returned_at = next(
         i + 1
         for i, e in enumerate(events)
