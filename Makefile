@@ -43,4 +43,4 @@ clean:
 # Every file-system call of a save, an async save, a durable upload and a restore,
 # failed with each of ENOSPC, EIO, EDQUOT and EROFS (the test suite runs a subset).
 faults: venv
-	FAULTS_ALL=1 $(PY) -m pytest -q -s tests/faults/test_syscall_faults.py tests/faults/test_crash_states.py
+	FAULTS_ALL=1 $(PY) -m pytest -q -s --timeout=3600 tests/faults/test_syscall_faults.py tests/faults/test_crash_states.py

@@ -321,6 +321,7 @@ def run_scenario(shim: Path, mode: str, work: Path) -> dict:
     return summary
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", SCENARIOS)
 def test_every_failed_call_keeps_every_promise(shim: Path, tmp_path: Path, mode: str) -> None:
     summary = run_scenario(shim, mode, tmp_path)
