@@ -359,6 +359,13 @@ def test_the_shim_fails_exactly_the_numbered_call(shim: Path, tmp_path: Path) ->
         "os.fsync(fd)\n"
         "os.close(fd)\n"
         "print('CALLS', s.disarm(), s.failed_op())\n"
+        "s.arm(d, fail_at=1, errno=errno.ENOSPC, persistent=True)\n"
+        "for name in ('g', 'h'):\n"
+        "    try:\n"
+        "        os.open(d / name, os.O_WRONLY | os.O_CREAT)\n"
+        "    except OSError as e:\n"
+        "        print('FULL', e.errno)\n"
+        "print('AFTER', s.disarm(), sorted(os.listdir(d)))\n"
     )
     (tmp_path / "d").mkdir()
     (tmp_path / "other").mkdir()
@@ -374,6 +381,9 @@ def test_the_shim_fails_exactly_the_numbered_call(shim: Path, tmp_path: Path) ->
     assert f"ERRNO {errno.EDQUOT}" in proc.stdout
     assert f"CALLS 5 write {tmp_path / 'd' / 'f'}" in proc.stdout, proc.stdout
     assert (tmp_path / "d" / "f").read_bytes() == b"abc"
+    # Persistent: call 1 and every call after it fail (a disk that stays full).
+    assert proc.stdout.count(f"FULL {errno.ENOSPC}") == 2, proc.stdout
+    assert "AFTER 2 ['f']" in proc.stdout, proc.stdout
 
 
 def test_the_shim_sees_torch_s_own_cpp_file_writes(shim: Path, tmp_path: Path) -> None:
