@@ -51,8 +51,11 @@ from .faulty import tree_digest
 
 REPO = Path(__file__).resolve().parents[2]
 ERRNOS = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO, "EDQUOT": errno.EDQUOT, "EROFS": errno.EROFS}
-SCENARIOS = ("sync", "async", "durable", "restore", "full")
-"""``full``: a sync save on a disk that stays broken: call N and every call after it fail."""
+SCENARIOS = ("sync", "async", "durable", "restore", "download", "full")
+"""``download``: a restore on a fresh machine, from the durable tier alone;
+``full``: a sync save on a disk that stays broken: call N and every call after it fail."""
+READS = ("restore", "download")
+TIERED = ("durable", "download")
 FAST = RetryPolicy(initial_backoff=0.02, max_backoff=0.1, deadline=30.0, request_timeout=10.0)
 """Retries of the durable tier: a failed call is retried within a tenth of a second."""
 
@@ -75,7 +78,7 @@ def _manager(run: Path, mode: str, tier: Path | None = None) -> stalwart.Checkpo
     kwargs: dict[str, Any] = {"keep_last": None, "handle_signals": False}
     if mode == "async":
         kwargs["async_save"] = True
-    if mode == "durable" and tier is not None:
+    if mode in TIERED and tier is not None:
         kwargs.update(durable=tier.as_uri(), durable_retry=FAST, durable_keep_last=None)
     return stalwart.CheckpointManager(run, **kwargs)
 
@@ -93,13 +96,18 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def make_template(root: Path, mode: str) -> Path:
-    """A run with step 1 committed (steps 1 and 2 for a restore), and its durable tier."""
+    """A run with step 1 committed (steps 1 and 2 to restore from), and its durable tier.
+
+    For ``download`` only the tier is kept: the case's machine has no local copy.
+    """
     template = root / f"template-{mode}"
-    tier = template / "tier" if mode == "durable" else None
+    tier = template / "tier" if mode in TIERED else None
     with _manager(template / "run", mode, tier) as ckpt:
         assert ckpt.save(1, model_state(1)[0])
-        if mode == "restore":
+        if mode in READS:
             assert ckpt.save(2, model_state(2)[0])
+    if mode == "download":
+        shutil.rmtree(template / "run")
     return template
 
 
@@ -109,15 +117,15 @@ def _describe(exc: BaseException) -> str:
 
 def run_case(shim: Shim, mode: str, case: Path, fail_at: int, err: int, log: Path | None) -> dict:
     """One case: arm the shim on ``case``, save step 2 (or restore), disarm, check everything."""
-    run, tier = case / "run", (case / "tier" if mode == "durable" else None)
+    run, tier = case / "run", (case / "tier" if mode in TIERED else None)
     problems: list[str] = []
     outcome = "ok"
     ckpt = _manager(run, mode, tier)
-    state, _ = model_state(999 if mode == "restore" else 2)
+    state, _ = model_state(999 if mode in READS else 2)
     got: Any = None
     shim.arm(case, fail_at=fail_at, errno=err, log=log, persistent=mode == "full")
     try:
-        if mode == "restore":
+        if mode in READS:
             got = ckpt.restore(state)
         else:
             ckpt.save(2, state)
@@ -126,7 +134,7 @@ def run_case(shim: Shim, mode: str, case: Path, fail_at: int, err: int, log: Pat
                 problems.append("the upload did not finish within 60 s")
     except stalwart.StalwartError as exc:
         outcome = _describe(exc)
-        if mode != "restore" and not isinstance(exc, stalwart.CheckpointSaveError):
+        if mode not in READS and not isinstance(exc, stalwart.CheckpointSaveError):
             problems.append(f"a save raised {outcome}, not a CheckpointSaveError")
     except BaseException as exc:
         outcome = _describe(exc)
@@ -140,7 +148,7 @@ def run_case(shim: Shim, mode: str, case: Path, fail_at: int, err: int, log: Pat
         problems.append(f"close raised {_describe(exc)} after the case had returned")
     except BaseException as exc:
         problems.append(f"close raised a non-StalwartError: {_describe(exc)}")
-    if mode == "restore" and outcome == "ok":
+    if mode in READS and outcome == "ok":
         assert state.model is not None
         weights = state.model.state_dict()
         if got not in (1, 2) or not _same(weights, model_state(got)[1]):
@@ -157,8 +165,10 @@ def run_case(shim: Shim, mode: str, case: Path, fail_at: int, err: int, log: Pat
     return {"calls": calls, "hit": hit, "outcome": outcome, "problems": problems}
 
 
-def check_run(mode: str, case: Path, before: dict, newest_saved: int) -> list[str]:
+def check_run(mode: str, case: Path, before: dict) -> list[str]:
     """The promises that hold after any case, checked with the shim disarmed."""
+    if mode == "download":
+        return _check_download(case)
     run, tier = case / "run", (case / "tier" if mode == "durable" else None)
     problems: list[str] = []
     now = tree_digest(run)
@@ -197,6 +207,31 @@ def check_run(mode: str, case: Path, before: dict, newest_saved: int) -> list[st
             problems.append(f"the next save did not commit: steps {ckpt.all_steps()}")
     if tier is not None:
         problems += _check_tier(case, tier, must_have=3)
+    return problems
+
+
+def _check_download(case: Path) -> list[str]:
+    """After a failed download: the tier untouched, nothing torn locally, the next restore and save work."""
+    run, tier = case / "run", case / "tier"
+    problems = []
+    if _files(tier) != _files(case.parent / "template-download" / "tier"):
+        problems.append("the durable tier changed during a restore")
+    committed = LocalStorage(run).committed_steps()
+    if not set(committed) <= {1, 2}:
+        problems.append(f"local committed steps {committed}")
+    for step in committed:
+        try:
+            verify_checkpoint(run / step_dir_name(step))
+        except stalwart.StalwartError as exc:
+            problems.append(f"downloaded step {step} does not verify: {_describe(exc)}")
+    if problems:
+        return problems
+    got, weights = _restored(run, tier=tier)
+    if got != 2 or not _same(weights, model_state(2)[1]):
+        problems.append(f"the next restore gave step {got}, expected step 2 bit-exact")
+    with _manager(run, "download", tier) as ckpt:
+        if not ckpt.save(3, model_state(3)[0]) or not ckpt.wait_durable(timeout=60):
+            problems.append("the next save did not commit and upload")
     return problems
 
 
@@ -278,8 +313,7 @@ def worker(mode: str, work: Path, exhaustive: bool) -> dict:
         result = run_case(shim, mode, case, n, ERRNOS[name], None)
         if not result["hit"]:
             result["problems"].append(f"call {n} was never made (only {result['calls']} calls)")
-        newest = 2 if mode == "restore" else 1
-        result["problems"] += check_run(mode, case, before, newest)
+        result["problems"] += check_run(mode, case, before)
         kind = result["hit"].split(" ", 1)[0] or "none"
         summary["failed_ops"][kind] = summary["failed_ops"].get(kind, 0) + 1
         key = result["outcome"].split(":", 1)[0]
@@ -331,7 +365,7 @@ def test_every_failed_call_keeps_every_promise(shim: Path, tmp_path: Path, mode:
     assert summary["cases"] >= (4 * calls if exhaustive else calls), summary
     # The shim saw the real calls: the restore reads, every save writes its data
     # files (torch's zip writer included), fsyncs them and renames into place.
-    if mode == "restore":
+    if mode in READS:
         assert {"open", "read"} <= set(summary["ops"]), summary["ops"]
     else:
         assert {"mkdir", "open", "write", "fsync", "rename", "close"} <= set(summary["ops"])
