@@ -11,7 +11,8 @@ that hundreds of cases share one start-up.
 After every case:
 
 - the error, if any, is a ``StalwartError`` (``CheckpointSaveError`` for a
-  save); a restore returns a checkpoint bit-exact, the newest or the previous;
+  save); a restore (from the run directory, or on a fresh machine from the
+  durable tier alone) returns a checkpoint bit-exact, the newest or the previous;
 - the previous checkpoint is byte-identical and restores bit-exact;
 - every committed step verifies (nothing half-written is taken for a
   checkpoint) and restore finds the newest one, bit-exact; for the durable
