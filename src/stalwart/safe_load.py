@@ -490,6 +490,11 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
         raise CheckpointNotFoundError(
             f"{file}: no DCP metadata file (is {os.fspath(path)} a DCP checkpoint directory?)"
         ) from exc
+    except OSError as exc:
+        # EIO and friends: the file may be fine; restore falls back without moving it aside.
+        raise CheckpointCorruptError(
+            f"{file}: cannot read ({exc.strerror or exc})", path=file, transient=True
+        ) from exc
 
 
 class _NoFollowFileSystem(FileSystem):
@@ -611,7 +616,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def _copy_error(exc: StalwartError) -> StalwartError:
     if isinstance(exc, CheckpointCorruptError):
-        return type(exc)(str(exc), path=exc.path)
+        return type(exc)(str(exc), path=exc.path, transient=exc.transient)
     return type(exc)(*exc.args)
 
 
@@ -631,9 +636,12 @@ def _convert_checkpoint_exception(
             f"{checkpoint_dir}: {first} Load into a state dict with the checkpoint's keys "
             "(`stalwart inspect` lists them)."
         )
+    # A read that failed (EIO, ...) says nothing about the bytes: transient, so that
+    # restore falls back without moving a good checkpoint aside.
     return CheckpointCorruptError(
         f"{checkpoint_dir}: DCP load failed on rank(s) {ranks}: {type(first).__name__}: {first}",
         path=checkpoint_dir,
+        transient=any(isinstance(f, OSError) for f in failures),
     )
 
 
