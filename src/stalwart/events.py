@@ -90,11 +90,12 @@ class EventLog:
             logger.warning("could not append to %s: %s", path, exc)
             return
         try:
-            os.write(fd, line)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)  # a failing close (EIO, EROFS) is a failed append too
         except OSError as exc:
             logger.warning("could not append to %s: %s", path, exc)
-        finally:
-            os.close(fd)
 
 
 class NotRegularFileError(OSError):
