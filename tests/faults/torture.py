@@ -382,16 +382,18 @@ class Series:
             remote_before = _remote_uncommitted(self.tier)
             procs, conns, progress = self._start(pending.torn if pending else [])
             reports = self._reports(procs, conns)
+            if pending is None and any("error" in r for r in reports):
+                pending = Trial(scenario=self.scenario, series=self.number, index=k)
+                pending.phase = "before write"  # the job never got to a kill
             if pending is not None:
                 trials.append(self._judge(pending, reports))
             cycles = [r["cycle"] for r in reports if r.get("cycle")]
             if cycles:
                 self.cycle = 0.7 * self.cycle + 0.3 * max(cycles)
             if k == n or any("error" in r for r in reports):
+                # After a failed resume the run is no longer a known state: stop the series.
                 self._kill(procs, range(self.world))
-                if k < n:
-                    break
-                continue
+                break
             pending = self._kill_at_random(procs, conns, progress, debris_before, remote_before)
             pending.index = k + 1
             first = reports[0].get("first_step", 1)
@@ -585,9 +587,6 @@ def run_torture(
             done += got
             n -= batch
             number += 1
-            if len(got) < batch:  # a job failed to start: the series is over
-                done.append(Trial(scenario=scenario, series=number - 1, index=len(got) + 1))
-                done[-1].problems.append("the series stopped early (see the trial before)")
     return Result(trials=done, seconds=time.perf_counter() - t0)
 
 
