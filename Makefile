@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # torch==2.13.0 takes the local CPU build; a looser range may pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test lint typecheck pytest demo bench clean
+.PHONY: venv test lint typecheck pytest demo bench clean torture
 
 venv: $(VENV)/.installed
 
@@ -39,3 +39,9 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+
+# 1000 SIGKILLs at random instants of sync, async, uploading and 2-rank saves,
+# each resume checked against the state of its step; prints a table per phase hit.
+torture: venv
+	mkdir -p runs
+	$(PY) tests/faults/torture.py --trials 1000 --json runs/torture.json
