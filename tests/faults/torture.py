@@ -7,7 +7,7 @@ Each scenario runs series of trials in one run directory. A *job* (one
 process, or a real 2-process gloo group for ``2-rank``, forked from a fork
 server that has torch and stalwart imported) restores the newest checkpoint,
 checks that what it loaded is exactly the state of the step it reports (every
-value is a known function of the step, rank included), checks that torn steps
+value is a known function of the step), checks that torn steps
 cannot be restored, saves the next step and waits for it, then saves
 continuously until it is SIGKILLed at a random instant within its save cycle.
 Between jobs this process checks the run as the kill left it: every committed
@@ -17,9 +17,11 @@ one that only exists as debris. The phase the kill hit is estimated from the
 debris it left (staging, ``.del-`` and remote uncommitted prefixes), from
 events.jsonl and from whether the job was inside ``save``.
 
-Scenarios: ``sync`` and ``async`` saves, ``durable`` (async saves plus an
-upload thread to a ``file://`` tier), ``2-rank`` (kill rank 0, rank 1, or
-both; a survivor is killed a moment later).
+Scenarios: ``sync`` and ``async`` saves; ``durable``: sync or async saves (by
+job) plus an upload thread to a ``file://`` tier, where a quarter of the trials
+also lose the local run directory, so that the resume downloads; ``2-rank``:
+sync saves of a 2-process gloo group, one rank or both killed (a survivor is
+killed a moment later, unless its save already failed cleanly).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ SERIES = 50
 taken for a checkpoint), but not without bound."""
 DEFAULT_MIX = {"sync": 0.3, "async": 0.3, "durable": 0.28, "2-rank": 0.12}
 JOB_START_TIMEOUT = 120.0
+LOSE_LOCAL = 0.25
+"""The share of durable trials that also lose the local run directory after the kill."""
 
 
 # ------------------------------------------------------------ the known state
@@ -104,6 +108,7 @@ class JobSpec:
     store: str = ""
     durable: str | None = None
     torn: list[int] = field(default_factory=list)
+    async_save: bool = False
     gap: float = 0.0
     seed: int = 0
 
@@ -124,7 +129,7 @@ def _job(spec: JobSpec, conn: Connection, progress: Any) -> None:
         manager = stalwart.CheckpointManager(
             spec.run,
             keep_last=KEEP_LAST,
-            async_save=spec.scenario in ("async", "durable"),
+            async_save=spec.async_save,
             durable=spec.durable,
             handle_signals=False,
             save_timeout=60.0,
@@ -215,6 +220,7 @@ class Trial:
     phase: str = "idle"
     kill: str = "sole"
     survivor: str | None = None
+    lost_local: bool = False
     kill_after_s: float = 0.0
     attempted: int | None = None
     expected: int | None = None
@@ -340,6 +346,10 @@ class Series:
         store = str(self.root / f"store-{self._jobs}")
         progress = self.ctx.Array("q", [0, 0] * self.world)
         procs, conns = [], []
+        # Uploads overlap the next save when it is async, and the idle gap when it is sync.
+        async_save = self.scenario == "async" or (
+            self.scenario == "durable" and self.rng.random() < 0.5
+        )
         for rank in range(self.world):
             spec = JobSpec(
                 run=str(self.run),
@@ -349,6 +359,7 @@ class Series:
                 store=store,
                 durable=self.durable,
                 torn=torn,
+                async_save=async_save,
                 gap=self.cycle / 2,
                 seed=self.rng.randrange(2**31),
             )
@@ -455,9 +466,24 @@ class Series:
                 for name in _debris(self.run)
                 if ".tmp-" in name and name not in debris_before
             }
-            - committed
+            | {step for step, _n in _remote_uncommitted(self.tier) - remote_before} - committed
         )
+        if self.tier is not None and self.rng.random() < LOSE_LOCAL:
+            self._lose_local(trial)
         return trial
+
+    def _lose_local(self, trial: Trial) -> None:
+        """The machine is gone: only the durable tier is left to resume from."""
+        assert self.tier is not None
+        remote = self.tier.committed_steps()
+        if not remote:
+            return  # nothing durable yet: a lost machine would start over, untested here
+        shutil.rmtree(self.run)
+        self.run.mkdir()
+        trial.lost_local = True
+        trial.expected = max(remote)
+        trial.committed = []
+        trial.torn = [s for s in trial.torn if s > trial.expected]
 
     def _judge(self, trial: Trial, reports: list[dict[str, Any]]) -> Trial:
         for report in reports:
@@ -543,6 +569,10 @@ class Result:
                 s: dict(Counter(t.outcome for t in self.trials if t.scenario == s))
                 for s in SCENARIOS
             },
+            "resumed_from_durable_only": sum(t.lost_local for t in self.trials),
+            "2-rank_kills": dict(
+                Counter(f"{t.kill}, survivor {t.survivor}" for t in self.trials if t.kill != "sole")
+            ),
             "detail": [asdict(t) for t in self.trials],
         }
 
@@ -610,8 +640,12 @@ def print_summary(result: Result) -> None:
             markup=False,
             style="red",
         )
+    summary = result.to_json()
     console.print(
-        f"{len(result.trials)} trials, {len(result.failures)} failures, {result.seconds:.0f} s"
+        f"{len(result.trials)} trials, {len(result.failures)} failures, {result.seconds:.0f} s; "
+        f"{summary['resumed_from_durable_only']} resumed from the durable tier alone; "
+        f"2-rank kills: {summary['2-rank_kills']}",
+        markup=False,
     )
 
 
