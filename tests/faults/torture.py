@@ -344,7 +344,8 @@ class Series:
     def _start(self, torn: list[int]) -> tuple[list[Any], list[Connection], Any]:
         self._jobs += 1
         store = str(self.root / f"store-{self._jobs}")
-        progress = self.ctx.Array("q", [0, 0] * self.world)
+        # No lock: a job killed while holding it would block every later read here.
+        progress = self.ctx.Array("q", [0, 0] * self.world, lock=False)
         procs, conns = [], []
         # Uploads overlap the next save when it is async, and the idle gap when it is sync.
         async_save = self.scenario == "async" or (
