@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -120,6 +121,8 @@ def _job(spec: JobSpec, conn: Connection, progress: Any) -> None:
     while inside ``save``: what the parent reads to tell "idle" from "before write".
     """
     torch.set_num_threads(1)
+    # A survivor's failed save is expected here; events.jsonl keeps it, stderr need not.
+    logging.getLogger("stalwart").setLevel(logging.CRITICAL)
     try:
         if spec.world > 1:
             store = torch.distributed.FileStore(spec.store, spec.world)
@@ -632,7 +635,7 @@ def print_summary(result: Result) -> None:
         table.add_row(
             row["scenario"], row["phase"], str(row["trials"]), *(str(row[o]) for o in OUTCOMES)
         )
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 110)
     console.print(table)
     for trial in result.failures[:20]:
         console.print(
