@@ -38,4 +38,5 @@ def test_random_sigkills_never_restore_anything_but_the_newest_committed_state(
     torn = [t for t in result.trials if t.torn]
     assert len(torn) >= 5, f"only {len(torn)} kills tore a save"
     assert any(t.outcome == "fell-back-older" for t in by_scenario["2-rank"])
-    assert {t.phase for t in result.trials} >= {"writing", "idle"}
+    phases = {t.phase for t in result.trials}
+    assert "writing" in phases and len(phases) >= 3, f"kills landed only in {phases}"
