@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # torch==2.13.0 takes the local CPU build; a looser range may pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test lint typecheck pytest demo bench fuzz faults clean
+.PHONY: venv test lint typecheck pytest demo bench fuzz faults torture clean
 
 venv: $(VENV)/.installed
 
@@ -51,3 +51,9 @@ clean:
 # failed with each of ENOSPC, EIO, EDQUOT and EROFS (the test suite runs a subset).
 faults: venv
 	FAULTS_ALL=1 $(PY) -m pytest -q -s --timeout=3600 tests/faults/test_syscall_faults.py tests/faults/test_crash_states.py
+
+# 1000 SIGKILLs at random instants of sync, async, uploading and 2-rank saves,
+# each resume checked against the state of its step; prints a table per phase hit.
+torture: venv
+	mkdir -p runs
+	$(PY) tests/faults/torture.py --trials 1000 --json runs/torture.json
