@@ -70,21 +70,21 @@ LOSE_LOCAL = 0.25
 # ------------------------------------------------------------ the known state
 
 
-def state_for(step: int) -> tuple[stalwart.TrainState, torch.nn.Module, dict]:
-    """A TrainState whose every value is a function of ``step``."""
+def state_for(step: int, rank: int = 0) -> tuple[stalwart.TrainState, torch.nn.Module, dict]:
+    """A TrainState whose every value is a function of ``step`` (and ``rank``)."""
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64))
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
             p.copy_(torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) * 1e-3 + step + i)
-    # Replicated extras: per-rank ones come back as one rank's values until extra is
-    # saved per rank (issue 11), and this harness is about kills, not about that.
-    extra = {"step_copy": step, "tag": f"s{step}"}
+    # One replicated value and one that differs between ranks: each rank must get
+    # its own back (extra values that differ are saved per rank).
+    extra = {"step_copy": step, "tag": f"s{step}", "rank_value": step * 100 + rank}
     return stalwart.TrainState(model=model, extra=extra, rng=False), model, extra
 
 
 def differences(step: int, model: torch.nn.Module, extra: dict, rank: int = 0) -> list[str]:
     """How ``model`` and ``extra`` differ from the state of ``step`` (empty when equal)."""
-    _state, ref_model, ref_extra = state_for(step)
+    _state, ref_model, ref_extra = state_for(step, rank)
     out = [
         f"rank {rank}: {name} differs from step {step}'s"
         for (name, got), want in zip(
@@ -147,12 +147,12 @@ def _job(spec: JobSpec, conn: Connection, progress: Any) -> None:
 
 
 def _resume(manager: stalwart.CheckpointManager, spec: JobSpec) -> dict[str, Any]:
-    state, model, extra = state_for(-1)
+    state, model, extra = state_for(-1, spec.rank)
     restored = manager.restore(state)
     problems = [] if restored is None else differences(restored, model, extra, spec.rank)
     for step in spec.torn:
         try:
-            manager.restore(state_for(-1)[0], step=step)
+            manager.restore(state_for(-1, spec.rank)[0], step=step)
         except CheckpointNotFoundError:
             continue
         problems.append(f"torn step {step} was restored")
@@ -169,7 +169,7 @@ def _resume(manager: stalwart.CheckpointManager, spec: JobSpec) -> dict[str, Any
         # The next save after a resume must work; in an empty run the first save is
         # left to the loop, so that a kill can tear it.
         t0 = time.perf_counter()
-        manager.save(step, state_for(step)[0], force=True)
+        manager.save(step, state_for(step, spec.rank)[0], force=True)
         manager.wait()
         report["cycle"] = time.perf_counter() - t0
         if manager.is_leader:
@@ -192,9 +192,9 @@ def _warm_up(spec: JobSpec) -> float:
     # to remove (a rank may still be closing when the other one is done).
     scratch = spec.store + "-warmup"
     with stalwart.CheckpointManager(scratch, keep_last=1, handle_signals=False) as warm:
-        warm.save(0, state_for(0)[0], force=True)
+        warm.save(0, state_for(0, spec.rank)[0], force=True)
         t0 = time.perf_counter()
-        warm.save(1, state_for(1)[0], force=True)
+        warm.save(1, state_for(1, spec.rank)[0], force=True)
         return time.perf_counter() - t0
 
 
@@ -203,7 +203,7 @@ def _save_forever(
 ) -> None:
     rng = random.Random(spec.seed)
     while True:
-        state = state_for(step)[0]
+        state = state_for(step, spec.rank)[0]
         progress[0] = step
         progress[1] = 1
         manager.save(step, state, force=True)
