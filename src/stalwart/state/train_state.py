@@ -28,14 +28,13 @@ it with a blob. Values that may differ between ranks (module buffers such as
 BatchNorm statistics, all of a plain module, each key of ``extra``, each
 stateful object) are digested at save time (``rank_digests``); the manager
 gathers the digests, and a value that differs is also written by each rank as
-``per_rank.rank_<r>`` (``with_rank_values``), which a restore puts back in
-place of the shared copy (rank 0's at a world size that lacks this rank).
+``per_rank.rank_<r>`` (``with_rank_values``, ``state.per_rank``), which a restore
+puts back in place of the shared copy (rank 0's at a world size that lacks this
+rank).
 
-Non-tensor values must be plain data (None, bool, int, float, str, bytes, and
-lists, tuples and dicts of them). That is what makes loading safe: stalwart
-reads them back with ``torch.load(weights_only=True)``, which cannot construct
-arbitrary objects, so a checkpoint can never run code. Anything else is refused
-at save time with the key that holds it.
+Non-tensor values must be plain data (``state.plain``), so that loading can
+never run code. A restore goes through ``plan_restore`` (``state.restore``, the
+``RestorePlan`` of ``stalwart.restore_protocol``) and ends in ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -66,7 +65,8 @@ _RESERVED = frozenset({"model", "optimizer", "rng", "extra", META, PER_RANK})
 class TrainState:
     """One object over everything that must come back after a crash.
 
-    Implements torch's ``Stateful`` protocol (``state_dict``/``load_state_dict``).
+    Implements torch's ``Stateful`` protocol (``state_dict``/``load_state_dict``)
+    and stalwart's ``Restorable`` (``plan_restore``, used by ``load_checkpoint``).
     Call from the training thread; every rank holds its own TrainState over its
     own (possibly sharded) model.
 
