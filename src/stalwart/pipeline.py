@@ -44,8 +44,9 @@ from stalwart.manifest import (
     hash_file,
     open_checkpoint_file,
 )
+from stalwart.restore_protocol import Restorable
 from stalwart.safe_load import read_dcp_metadata, safe_load
-from stalwart.state import _ATOMIC, TrainState
+from stalwart.state.plain import ATOMIC
 from stalwart.storage.base import CheckpointStorage
 from stalwart.storage.local import step_of_dir_name
 
@@ -189,9 +190,9 @@ class StagingArea:
 
         def copy_value(path: tuple[Any, ...], value: Any) -> Any:
             kind = type(value)
-            if kind in _ATOMIC:
+            if kind in ATOMIC:
                 return value  # immutable: nothing to copy
-            if kind is list and all(type(v) in _ATOMIC for v in value):
+            if kind is list and all(type(v) in ATOMIC for v in value):
                 return list(value)  # e.g. the parameter ids of an optimizer's param_groups
             if isinstance(value, torch.Tensor):
                 if _is_dtensor(value):
@@ -694,10 +695,13 @@ def _agree(coord: Coordinator, what: Callable[[], T]) -> T:
 
 
 def load_checkpoint(
-    path: Path, state: TrainState, *, strict: bool = True, coordinator: Coordinator | None = None
+    path: Path, state: Restorable, *, strict: bool = True, coordinator: Coordinator | None = None
 ) -> Manifest:
     """Verify, then load the checkpoint at ``path`` into ``state`` without running checkpoint code.
 
+    ``state`` is a ``TrainState`` or any other ``Restorable``; it is asked for
+    one ``RestorePlan``, driven here through files -> metadata -> staged read
+    -> check -> in-place read -> apply (see ``stalwart.restore_protocol``).
     Collective over ``coordinator``: ranks share the checksumming, and an error
     found by any rank (corruption, unsafe content, mismatched keys) is raised on
     every rank, before anything live is modified. An error while the loaded
@@ -713,17 +717,27 @@ def load_checkpoint(
 
     manifest, metadata = _agree(coord, check_files)
     group = coord.group if coord.distributed else None
-    blobs = state.blob_target(metadata)
-    if blobs:
-        _agree(coord, lambda: safe_load(blobs, path, process_group=group, metadata=metadata))
-    _agree(coord, lambda: state.check(metadata, blobs, strict=strict))
-    native = state.native_target(metadata, strict=strict)
-    if native:
-        _agree(coord, lambda: safe_load(native, path, process_group=group, metadata=metadata))
+
+    def read(target: dict[str, Any]) -> None:
+        if target:
+            _agree(coord, lambda: safe_load(target, path, process_group=group, metadata=metadata))
+
+    plan = state.plan_restore(metadata, strict=strict)
+    try:
+        staged = plan.staged()
+        read(staged)
+        _agree(coord, lambda: plan.check(staged))
+        in_place = plan.in_place()
+        read(in_place)
+    except BaseException:
+        # Another rank's failure reaches this one here too: its plan, which
+        # passed its own check, undoes what it did to the live objects.
+        plan.discard()
+        raise
 
     def apply() -> None:
         try:
-            state.load_state_dict({**blobs, **native}, strict=strict)
+            plan.apply({**staged, **in_place})
         except StalwartError:
             raise
         except Exception as exc:
