@@ -27,15 +27,19 @@ from typing import Any, Literal
 
 from stalwart.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsupportedFormatError
 from stalwart.events import read_events
+from stalwart.history import RunHistory, read_history
 from stalwart.layout import (
     DCP_METADATA_NAME,
+    EVENTS_NAME,
+    LOCK_NAME,
     MANIFEST_NAME,
     parse_checkpoint_name,
     step_dir_name,
 )
 from stalwart.manifest import Manifest
-from stalwart.pipeline import file_problems, read_manifest
+from stalwart.pipeline import file_problems, read_manifest, verify_checkpoint
 from stalwart.safe_load import read_dcp_metadata
+from stalwart.storage.base import StepEntry
 from stalwart.storage.durable import (
     DurableTier,
     OrphanGroup,
@@ -49,6 +53,7 @@ __all__ = [
     "VERDICT_EVENTS",
     "GcItem",
     "Problem",
+    "RunHistory",
     "StepInfo",
     "StoreGcItem",
     "age_text",
@@ -56,15 +61,20 @@ __all__ = [
     "check_metadata",
     "check_step",
     "dir_usage",
+    "kind_of_dir",
     "list_run",
     "list_store",
     "load_manifest",
     "plan_gc",
     "plan_store_gc",
+    "read_checkpoint",
     "read_events",
+    "read_history",
     "resume_verdicts",
+    "scan_run",
     "strip_source",
     "verdict_mark",
+    "verify_checkpoint",
 ]
 
 Status = Literal["committed", "incomplete", "corrupt"]
@@ -111,6 +121,8 @@ class StepInfo:
     """Unix time of the directory (or newest object); for entries without a manifest."""
     objects: int | None = None
     """Objects under the step prefix (a durable tier only)."""
+    stored_bytes: int | None = None
+    """Bytes of every object under the step prefix (a durable tier only)."""
 
 
 # ----------------------------------------------------------------- one checkpoint
@@ -198,6 +210,32 @@ def dir_usage(path: Path) -> tuple[int, int]:
 # ----------------------------------------------------------------- a run directory
 
 
+def scan_run(run: str | os.PathLike[str]) -> list[StepEntry]:
+    """Every checkpoint-named real directory of ``run`` by name alone (``lstat`` only, no file
+    read), oldest step first; empty when ``run`` does not exist, ``OSError`` when it cannot
+    be listed."""
+    return LocalStorage(run).scan()
+
+
+def kind_of_dir(path: str | os.PathLike[str]) -> Literal["run", "checkpoint"] | None:
+    """Whether the existing directory ``path`` is a run, one checkpoint of a run, or neither.
+
+    A checkpoint holds MANIFEST.json or DCP's ``.metadata``, or carries a
+    checkpoint's name (``step_…``, ``.step_….tmp-…``); a run holds checkpoints,
+    ``events.jsonl`` or the run lock. ``OSError`` when it cannot be listed.
+    """
+    p = Path(path)
+    if (
+        (p / MANIFEST_NAME).is_file()
+        or (p / DCP_METADATA_NAME).is_file()
+        or parse_checkpoint_name(p.resolve().name) is not None
+    ):
+        return "checkpoint"
+    if (p / EVENTS_NAME).is_file() or (p / LOCK_NAME).is_file() or scan_run(p):
+        return "run"
+    return None
+
+
 def list_run(
     run: str | os.PathLike[str], *, skip_reasons: Mapping[int, str] | None = None
 ) -> list[StepInfo]:
@@ -210,25 +248,54 @@ def list_run(
     entries. Raises ``OSError`` when the directory cannot be listed.
     """
     infos: list[StepInfo] = []
-    for entry in LocalStorage(run).scan():
-        info = StepInfo(name=entry.name, path=str(entry.path), step=entry.step, status=entry.status)
-        manifest: Manifest | Problem | None = None
-        if entry.status == "committed" or (entry.path / MANIFEST_NAME).is_file():
-            manifest = load_manifest(entry.path)
-        if isinstance(manifest, Manifest):
-            info.manifest = manifest
-            info.bytes, info.files = manifest.total_bytes, len(manifest.files)
+    for entry in scan_run(run):
+        if entry.status == "committed":
+            info = read_checkpoint(entry.path)
         else:
-            info.bytes, info.files = dir_usage(entry.path)
-            info.modified = _mtime(entry.path)
-        if isinstance(manifest, Problem) and entry.status == "committed":
-            info.status, info.checked = "corrupt", "size"
-            info.problems.append(manifest)
-        elif entry.status != "committed":
+            info = StepInfo(
+                name=entry.name, path=str(entry.path), step=entry.step, status=entry.status
+            )
             reason = (skip_reasons or {}).get(entry.step) if entry.step is not None else None
             info.problems.append(_leftover_problem(entry.name, reason))
+            if (entry.path / MANIFEST_NAME).is_file():
+                manifest = load_manifest(entry.path)
+                if isinstance(manifest, Manifest):
+                    _summarize(info, manifest)
+        if info.manifest is None:
+            info.bytes, info.files = dir_usage(entry.path)
+            info.modified = _mtime(entry.path)
         infos.append(info)
     return infos
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> StepInfo:
+    """One checkpoint directory, whatever its name, with its manifest read but its files not
+    checked yet (``check_step``).
+
+    ``step`` is what the name says (None for a name that is not a checkpoint's);
+    an unusable or missing manifest makes it ``corrupt`` at once, with ``bytes``
+    and ``files`` left None.
+    """
+    p = Path(path)
+    parsed = parse_checkpoint_name(p.name)
+    info = StepInfo(
+        name=p.resolve().name,
+        path=str(p),
+        step=None if parsed is None else parsed.step,
+        status="committed",
+    )
+    manifest = load_manifest(p)
+    if isinstance(manifest, Problem):
+        info.status, info.checked = "corrupt", "size"
+        info.problems.append(manifest)
+    else:
+        _summarize(info, manifest)
+    return info
+
+
+def _summarize(info: StepInfo, manifest: Manifest) -> None:
+    info.manifest = manifest
+    info.bytes, info.files = manifest.total_bytes, len(manifest.files)
 
 
 def _mtime(path: Path) -> float | None:
@@ -268,7 +335,7 @@ def check_step(
     path = Path(info.path)
     if info.manifest is not None:
         info.problems.extend(check_files(path, info.manifest, checksums=checksums, advance=advance))
-        if info.manifest.step != info.step:
+        if info.step is not None and info.manifest.step != info.step:
             info.problems.append(
                 Problem(
                     file=MANIFEST_NAME,
@@ -322,6 +389,7 @@ def _store_step(tier: DurableTier, step: RemoteStep, blob: bytes | None) -> Step
         bytes=step.bytes,
         files=len(step.objects),
         objects=len(step.objects),
+        stored_bytes=step.bytes,
         modified=step.modified or None,
     )
     if not step.committed:
@@ -346,8 +414,7 @@ def _store_step(tier: DurableTier, step: RemoteStep, blob: bytes | None) -> Step
         info.status = "corrupt"
         info.problems.append(Problem(file=MANIFEST_NAME, reason=strip_source(str(exc), source)))
         return info
-    info.manifest = manifest
-    info.bytes, info.files = manifest.total_bytes, len(manifest.files)
+    _summarize(info, manifest)
     info.problems.extend(_store_problems(step, manifest, data_dir_name(blob)))
     if manifest.step != step.step:
         info.problems.append(
@@ -411,7 +478,7 @@ def plan_gc(
     Raises ``OSError`` when ``run`` cannot be listed.
     """
     when = time.time() if now is None else now
-    return [_plan_entry(e.path, grace, corrupt, when) for e in LocalStorage(run).scan()]
+    return [_plan_entry(e.path, grace, corrupt, when) for e in scan_run(run)]
 
 
 def _plan_entry(path: Path, grace: float, corrupt: bool, now: float) -> GcItem:
