@@ -21,13 +21,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from stalwart.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsupportedFormatError
 from stalwart.events import read_events
-from stalwart.history import RunHistory, read_history
+from stalwart.history import (
+    VERDICT_EVENTS,
+    RunHistory,
+    read_history,
+    resume_verdicts,
+    verdict_mark,
+)
 from stalwart.layout import (
     DCP_METADATA_NAME,
     EVENTS_NAME,
@@ -587,51 +593,3 @@ def _plan_group(group: OrphanGroup, grace: float, now: float) -> StoreGcItem:
             "deletion"
         ),
     )
-
-
-# ----------------------------------------------------------------- the exact-resume certificate
-
-VERDICT_EVENTS = ("resume_verified", "resume_diverged", "resume_unverified")
-"""The events the exact-resume certificate writes after a restore (via the manager)."""
-
-
-def verdict_mark(record: Mapping[str, Any] | None) -> str:
-    """A short mark for a restore's verdict event; ``None`` (a restore with no verdict) is "unchecked".
-
-    A restore without a verdict comes from a stalwart that did not check yet
-    (its ``exact`` field only meant "same world size"), or from a run still
-    redoing its steps.
-    """
-    if record is None:
-        return "unchecked"
-    event = record.get("event")
-    if event == "resume_verified":
-        return f"exact to {record.get('through')}"
-    if event == "resume_diverged":
-        return f"DIVERGED at {record.get('step')} (rank {record.get('rank')})"
-    return "unverified"
-
-
-def resume_verdicts(
-    records: Iterable[Mapping[str, Any]] | str | os.PathLike[str],
-) -> dict[int, Mapping[str, Any] | None]:
-    """For each restored step, the verdict event of its last restore (None: no verdict recorded).
-
-    ``records`` are events in log order, or a run directory (its ``events.jsonl``
-    is read; ``OSError`` when it is a link, FIFO or cannot be read).
-    """
-    events: Iterator[Mapping[str, Any]] | Iterable[Mapping[str, Any]] = (
-        read_events(records) if isinstance(records, (str, os.PathLike)) else records
-    )
-    out: dict[int, Mapping[str, Any] | None] = {}
-    for record in events:
-        event = record.get("event")
-        if event == "restore":
-            step = record.get("step")
-            if isinstance(step, int) and not isinstance(step, bool):
-                out[step] = None
-        elif event in VERDICT_EVENTS:
-            step = record.get("restored_step")
-            if isinstance(step, int) and not isinstance(step, bool):
-                out[step] = record
-    return out

@@ -1,5 +1,5 @@
 """What a run's ``events.jsonl`` says about each step: save timings, why restore skipped
-it, and which steps reached the durable tier.
+it, which steps reached the durable tier, and the exact-resume certificate's verdicts.
 
 Plain data over ``events.read_events``; no torch, no I/O beyond reading the log.
 """
@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from stalwart.events import read_events
 
-__all__ = ["DurableHistory", "RunHistory", "history_of", "read_history"]
+__all__ = [
+    "VERDICT_EVENTS",
+    "DurableHistory",
+    "RunHistory",
+    "history_of",
+    "read_history",
+    "resume_verdicts",
+    "verdict_mark",
+]
 
 TIMING_KEYS = ("stall_s", "write_s", "checksum_s", "commit_s", "total_s", "throughput_MBps")
 """The timings of a ``save`` event a history keeps."""
@@ -166,3 +174,51 @@ def read_history(run: str | os.PathLike[str]) -> RunHistory:
     """The history of ``run``'s ``events.jsonl``; empty when there is no log, ``OSError``
     (``NotRegularFileError`` for a link, FIFO or device) when it cannot be read."""
     return history_of(read_events(run))
+
+
+# ----------------------------------------------------------------- the exact-resume certificate
+
+VERDICT_EVENTS = ("resume_verified", "resume_diverged", "resume_unverified")
+"""The events the exact-resume certificate writes after a restore (via the manager)."""
+
+
+def verdict_mark(record: Mapping[str, Any] | None) -> str:
+    """A short mark for a restore's verdict event; ``None`` (a restore with no verdict) is "unchecked".
+
+    A restore without a verdict comes from a stalwart that did not check yet
+    (its ``exact`` field only meant "same world size"), or from a run still
+    redoing its steps.
+    """
+    if record is None:
+        return "unchecked"
+    event = record.get("event")
+    if event == "resume_verified":
+        return f"exact to {record.get('through')}"
+    if event == "resume_diverged":
+        return f"DIVERGED at {record.get('step')} (rank {record.get('rank')})"
+    return "unverified"
+
+
+def resume_verdicts(
+    records: Iterable[Mapping[str, Any]] | str | os.PathLike[str],
+) -> dict[int, Mapping[str, Any] | None]:
+    """For each restored step, the verdict event of its last restore (None: no verdict recorded).
+
+    ``records`` are events in log order, or a run directory (its ``events.jsonl``
+    is read; ``OSError`` when it is a link, FIFO or cannot be read).
+    """
+    events: Iterator[Mapping[str, Any]] | Iterable[Mapping[str, Any]] = (
+        read_events(records) if isinstance(records, (str, os.PathLike)) else records
+    )
+    out: dict[int, Mapping[str, Any] | None] = {}
+    for record in events:
+        event = record.get("event")
+        if event == "restore":
+            step = record.get("step")
+            if isinstance(step, int) and not isinstance(step, bool):
+                out[step] = None
+        elif event in VERDICT_EVENTS:
+            step = record.get("restored_step")
+            if isinstance(step, int) and not isinstance(step, bool):
+                out[step] = record
+    return out

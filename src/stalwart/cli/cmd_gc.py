@@ -50,11 +50,11 @@ from stalwart.cli.common import (
     open_tier,
     store_error,
 )
+from stalwart.cli.units import parse_duration
 from stalwart.errors import DurableStoreError, RunLockedError
 from stalwart.events import EventLog
 from stalwart.layout import EVENTS_NAME, LOCK_NAME
 from stalwart.lock import RunLock, lock_file_problem, read_lock_holder
-from stalwart.plan import parse_duration
 from stalwart.storage.durable import DurableTier
 from stalwart.storage.remote import redact_url
 
