@@ -177,6 +177,13 @@ def test_list_store_and_plan_store_gc_on_a_file_url(tmp_path):
     assert infos[2].path == f"{url}/{step_dir_name(2)}" and infos[2].checked == "size"
     assert infos[9].bytes == 100 and infos[9].objects == 1
 
+    by_url = catalog.list_steps(url, retry=FAST)  # the same listing, from the URL alone
+    assert [(i.step, i.status, i.bytes) for i in by_url] == [
+        (i.step, i.status, i.bytes) for i in infos.values()
+    ]
+    by_dir = catalog.list_steps(tmp_path / "run")
+    assert [(i.step, i.status) for i in by_dir] == [(1, "committed"), (2, "committed")]
+
     victim = next(
         o.key for s in tier.scan() if s.step == 1 for o in s.objects if ".distcp" in o.key
     )
