@@ -28,7 +28,7 @@ from stalwart.cli.common import (
     resolve_checkpoint,
 )
 from stalwart.errors import CheckpointCorruptError, CheckpointNotFoundError
-from stalwart.layout import MANIFEST_NAME
+from stalwart.layout import DCP_METADATA_NAME, MANIFEST_NAME
 from stalwart.manifest import canonical_json
 from stalwart.safe_load import read_dcp_metadata, tensor_table
 
@@ -114,12 +114,14 @@ def inspect_checkpoint(checkpoint: Path) -> dict[str, Any]:
                 "it is not a checkpoint"
             ) from exc
         raise CheckpointCorruptError(
-            f"{checkpoint}/.metadata: missing, but the checkpoint is committed; it is damaged",
-            path=".metadata",
+            f"{checkpoint / DCP_METADATA_NAME}: missing, but the checkpoint is committed; "
+            "it is damaged",
+            path=DCP_METADATA_NAME,
         ) from exc
     except OSError as exc:
         raise CheckpointCorruptError(
-            f"{checkpoint}/.metadata: cannot read ({exc.strerror or exc})", path=".metadata"
+            f"{checkpoint / DCP_METADATA_NAME}: cannot read ({exc.strerror or exc})",
+            path=DCP_METADATA_NAME,
         ) from exc
     return {"path": str(checkpoint), "manifest": manifest_data, "tensors": tensor_table(metadata)}
 

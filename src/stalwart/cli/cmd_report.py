@@ -23,7 +23,7 @@ from stalwart.cli.common import (
 )
 from stalwart.cli.timeline import draw_timeline, read_run, render_html, summarize
 from stalwart.errors import StalwartError
-from stalwart.events import EVENTS_NAME
+from stalwart.layout import EVENTS_NAME
 
 __all__ = ["add_parser", "run"]
 
