@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import time
@@ -212,3 +213,41 @@ def test_resume_verdicts_keep_the_verdict_of_each_step_s_last_restore(tmp_path):
     assert set(verdicts) == {10, 20}
     assert catalog.verdict_mark(verdicts[10]) == "exact to 14"
     assert verdicts[20] is None and catalog.verdict_mark(verdicts[20]) == "unchecked"
+
+
+# ----------------------------------------------------------------------------- layering
+
+SRC = Path(stalwart.__file__).parent
+
+
+def stalwart_imports(path: Path) -> list[tuple[str, str]]:
+    """``(module, name)`` for every ``from stalwart... import name`` (name "" for ``import m``)."""
+    found: list[tuple[str, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stalwart"):
+            found += [(node.module or "", alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, "") for a in node.names if a.name.startswith("stalwart")]
+    return found
+
+
+def test_the_layout_module_stands_on_nothing_of_stalwart():
+    assert stalwart_imports(SRC / "layout.py") == []
+
+
+def test_cli_commands_import_no_other_command_and_no_private_name():
+    for path in sorted((SRC / "cli").glob("*.py")):
+        for module, name in stalwart_imports(path):
+            if path.name != "main.py":  # main wires the commands together
+                assert not (module == "stalwart.cli" and name.startswith("cmd_")), path.name
+                assert not module.startswith("stalwart.cli.cmd_"), (path.name, module)
+            private = name.startswith("_") and not name.startswith("__")  # not __version__
+            assert not private, (path.name, module, name)
+
+
+def test_nothing_below_the_cli_imports_it():
+    for path in sorted(SRC.rglob("*.py")):
+        if "cli" in path.relative_to(SRC).parts or path.name == "__main__.py":
+            continue  # ``python -m stalwart`` is the CLI's entry point
+        for module, _name in stalwart_imports(path):
+            assert not module.startswith("stalwart.cli"), (path, module)
