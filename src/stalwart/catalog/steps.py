@@ -5,6 +5,7 @@ Reads only; see the package docstring (``stalwart.catalog``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
@@ -328,8 +329,6 @@ def list_store(tier: DurableTier, *, workers: int = 8) -> list[StepInfo]:
     One listing, then one GET per committed manifest (``workers`` in parallel).
     Raises ``DurableStoreError`` or ``FileNotFoundError`` when the store cannot be read.
     """
-    import concurrent.futures  # only listing a store needs threads
-
     steps = tier.scan()
     committed = [s for s in steps if s.committed]
     with concurrent.futures.ThreadPoolExecutor(
