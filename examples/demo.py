@@ -45,8 +45,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from stalwart.catalog import VERDICT_EVENTS
 from stalwart.events import read_events
-from stalwart.report import VERDICT_EVENTS
 
 HERE = Path(__file__).resolve().parent
 CHARLM = HERE / "charlm.py"

@@ -14,8 +14,8 @@ import torch
 import stalwart
 from stalwart import certificate
 from stalwart.certificate import Fingerprint, compare, read_attempt, rng_digest
+from stalwart.cli.timeline import read_run, summarize
 from stalwart.events import read_events
-from stalwart.report import read_run, summarize
 
 from .conftest import cli, make_parts, seed_all
 

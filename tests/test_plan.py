@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.plan import (
+from stalwart.cli.planner import (
     ASSUMED_NODE_MTBF_S,
     GPU_MEMORY,
     STRATEGIES,
@@ -19,14 +19,11 @@ from stalwart.plan import (
     daly_interval,
     make_plan,
     overhead_fraction,
-    parse_bandwidth,
-    parse_count,
-    parse_duration,
-    parse_size,
     state_bytes_per_param,
     wall_time_ratio,
     young_interval,
 )
+from stalwart.cli.units import parse_bandwidth, parse_count, parse_duration, parse_size
 
 from .conftest import cli
 

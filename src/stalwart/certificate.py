@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import xxhash
 
+from stalwart.layout import FINGERPRINT_DIR
 from stalwart.rng import _cuda_in_use, _numpy
 from stalwart.sampler import ResumableDataLoader, ResumableSampler
 
@@ -69,7 +70,6 @@ __all__ = [
 
 logger = logging.getLogger("stalwart")
 
-FINGERPRINT_DIR = "fingerprints"
 MAX_RECORDS = 20_000
 """Lines in one segment of an attempt's log before it starts over (bounds its size)."""
 KEEP_ATTEMPTS = 8

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stalwart.layout import EVENTS_NAME
+
 __all__ = [
     "EVENTS_NAME",
     "MAX_DEPTH",
@@ -38,7 +40,6 @@ __all__ = [
     "read_events",
 ]
 
-EVENTS_NAME = "events.jsonl"
 MAX_LINE_BYTES = 1 << 20
 """Longest line readers parse (1 MiB); stalwart's own lines are well under 64 KiB."""
 MAX_DEPTH = 32

@@ -33,6 +33,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from stalwart.errors import CheckpointCorruptError, StalwartError
+from stalwart.layout import DCP_METADATA_NAME
 from stalwart.pipeline import verify_checkpoint
 from stalwart.safe_load import read_dcp_metadata, safe_load
 from stalwart.storage.local import fsync_dir
@@ -188,24 +189,24 @@ def check_sizes(
     for e in entries:
         if any(not isinstance(d, int) or d < 0 for d in e.shape):
             raise CheckpointCorruptError(
-                f"{checkpoint}/.metadata: tensor {e.fqn!r} has shape {_shape(e.shape)}; the "
-                "metadata is damaged or crafted",
-                path=".metadata",
+                f"{checkpoint / DCP_METADATA_NAME}: tensor {e.fqn!r} has shape "
+                f"{_shape(e.shape)}; the metadata is damaged or crafted",
+                path=DCP_METADATA_NAME,
             )
         if e.nbytes > available:
             raise CheckpointCorruptError(
-                f"{checkpoint}/.metadata: tensor {e.fqn!r} has shape {_shape(e.shape)}, "
+                f"{checkpoint / DCP_METADATA_NAME}: tensor {e.fqn!r} has shape {_shape(e.shape)}, "
                 f"{e.nbytes} bytes, more than all files of the checkpoint hold ({available} "
                 "bytes); the metadata is damaged or crafted",
-                path=".metadata",
+                path=DCP_METADATA_NAME,
             )
     needed = sum(e.nbytes for e in entries)
     if together and needed > available:
         raise CheckpointCorruptError(
-            f"{checkpoint}/.metadata: its tensors need {needed} bytes together, more than all "
-            f"files of the checkpoint hold ({available} bytes); the metadata is damaged or "
-            "crafted",
-            path=".metadata",
+            f"{checkpoint / DCP_METADATA_NAME}: its tensors need {needed} bytes together, "
+            f"more than all files of the checkpoint hold ({available} bytes); the metadata is "
+            "damaged or crafted",
+            path=DCP_METADATA_NAME,
         )
 
 

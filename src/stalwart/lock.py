@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.errors import RunLockedError
+from stalwart.layout import LOCK_NAME
 
 __all__ = ["LOCK_NAME", "RunLock", "lock_file_problem", "read_lock_holder"]
 
-LOCK_NAME = ".lock"
 logger = logging.getLogger("stalwart")
 
 _held: dict[int, RunLock] = {}

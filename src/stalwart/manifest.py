@@ -43,6 +43,7 @@ from typing import Any
 import xxhash
 
 from stalwart.errors import CheckpointCorruptError, UnsupportedFormatError
+from stalwart.layout import MANIFEST_NAME
 
 __all__ = [
     "FORMAT_NAME",
@@ -62,7 +63,6 @@ __all__ = [
 
 FORMAT_NAME = "stalwart-checkpoint"
 FORMAT_VERSION = 1
-MANIFEST_NAME = "MANIFEST.json"
 _SELF_CHECKSUM_KEY = "manifest_xxh3_128"
 _YEAR_10000 = 253_402_300_800  # created_unix past this has no ISO date (``created``)
 _HASH_CHUNK = 8 * 1024 * 1024

@@ -19,7 +19,7 @@ import torch
 from rich.text import Text
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from stalwart.cli.cmd_inspect import resolve_checkpoint
+from stalwart.catalog import verify_checkpoint
 from stalwart.cli.common import (
     EXIT_BAD,
     EXIT_OK,
@@ -28,9 +28,9 @@ from stalwart.cli.common import (
     make_console,
     new_table,
     non_negative_float,
+    resolve_checkpoint,
 )
 from stalwart.export import TensorEntry, iter_tensors, iter_values
-from stalwart.pipeline import verify_checkpoint
 from stalwart.safe_load import read_dcp_metadata
 
 __all__ = ["add_parser", "diff_checkpoints", "run"]

@@ -8,13 +8,13 @@ import textwrap
 from pathlib import Path
 from typing import Any, TextIO
 
-from stalwart.cli.cmd_inspect import resolve_checkpoint
 from stalwart.cli.common import (
     EXIT_OK,
     UsageError,
     format_bytes,
     make_console,
     progress_bar,
+    resolve_checkpoint,
 )
 from stalwart.errors import StalwartError
 from stalwart.export import SAFETENSORS_DTYPES, Format, export_checkpoint, select_tensors

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import shutil
 import textwrap
 import time
@@ -36,26 +34,28 @@ from typing import Any, TextIO
 
 from rich.text import Text
 
+from stalwart import catalog
+from stalwart.catalog import GcItem, StoreGcItem, age_text, dir_usage
 from stalwart.cli.common import (
     EXIT_BAD,
     EXIT_OK,
     UsageError,
     classify,
-    dir_usage,
     existing_dir,
     format_bytes,
     is_url,
+    listing_error,
     make_console,
     new_table,
     open_tier,
-    scan,
     store_error,
 )
+from stalwart.cli.units import parse_duration
 from stalwart.errors import DurableStoreError, RunLockedError
-from stalwart.events import EVENTS_NAME, EventLog
-from stalwart.lock import LOCK_NAME, RunLock, lock_file_problem, read_lock_holder
-from stalwart.plan import parse_duration
-from stalwart.storage.durable import DurableTier, OrphanGroup
+from stalwart.events import EventLog
+from stalwart.layout import EVENTS_NAME, LOCK_NAME
+from stalwart.lock import RunLock, lock_file_problem, read_lock_holder
+from stalwart.storage.durable import DurableTier
 from stalwart.storage.remote import redact_url
 
 __all__ = ["add_parser", "collect_garbage", "collect_store_garbage", "run"]
@@ -95,8 +95,6 @@ DEFAULT_GRACE = 3600.0
 """One hour, for runs and object stores alike: a save or an upload still being written is
 younger than that. In a store this is the only guard (no lock, no rename), so it must
 exceed the longest upload."""
-
-_GARBAGE_RE = re.compile(r"^\.step_(\d{9,})\.(tmp|del|corrupt)-[0-9a-f]+$")
 
 
 def _duration(text: str) -> float:
@@ -184,18 +182,6 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
     return EXIT_OK if report["ok"] else EXIT_BAD
 
 
-def _newest_mtime(path: Path) -> float:
-    """The newest mtime of ``path`` and everything under it: a save still writing is young."""
-    newest = path.lstat().st_mtime
-    for root, dirs, files in os.walk(path):
-        for name in (*dirs, *files):
-            try:
-                newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
-            except OSError:
-                continue
-    return newest
-
-
 def collect_garbage(
     run: Path, *, grace: float, corrupt: bool, force: bool, dry_run: bool
 ) -> dict[str, Any]:
@@ -225,7 +211,11 @@ def collect_garbage(
             raise
         lock_state = f"unknown ({exc.strerror or exc})"
     try:
-        entries = [_sweep(e.path, grace, corrupt, dry_run) for e in scan(run)]
+        try:
+            plan = catalog.plan_gc(run, grace=grace, corrupt=corrupt)
+        except OSError as exc:
+            raise listing_error(run, exc) from None
+        entries = [_sweep(item, dry_run) for item in plan]
         removed = [e for e in entries if e["action"] in ("removed", "would remove")]
         if removed and not dry_run:
             EventLog(run / EVENTS_NAME).emit(
@@ -257,53 +247,31 @@ def _locked(run: Path, holder: dict[str, Any], grace: float) -> RunLockedError:
     )
     return RunLockedError(
         f"{run} is locked by {who}, which may be saving right now; stop it first, or "
-        f"rerun with --force to remove only entries older than --grace ({_age(grace)})"
+        f"rerun with --force to remove only entries older than --grace ({age_text(grace)})"
     )
 
 
-def _sweep(path: Path, grace: float, corrupt: bool, dry_run: bool) -> dict[str, Any]:
-    m = _GARBAGE_RE.match(path.name)
-    size, files = dir_usage(path) if path.is_dir() else (path.stat().st_size, 1)
+def _sweep(item: GcItem, dry_run: bool) -> dict[str, Any]:
+    """Carry out the plan for one entry (remove it, or only say so) and report what happened."""
     entry: dict[str, Any] = {
-        "name": path.name,
-        "path": str(path),
-        "step": None if m is None else int(m.group(1)),
-        "kind": None if m is None else m.group(2),
-        "age_s": None,
-        "bytes": size,
-        "files": files,
-        "action": "kept",
-        "reason": None,
+        "name": item.name,
+        "path": str(item.path),
+        "step": item.step,
+        "kind": item.kind,
+        "age_s": item.age_s,
+        "bytes": item.bytes,
+        "files": item.files,
+        "action": "gone" if item.gone else "kept",
+        "reason": item.reason,
         "bytes_freed": 0,
         "error": None,
     }
-    if m is None:
-        # scan() also lists step_N/ directories; committed or not, gc leaves them alone.
-        committed = (path / "MANIFEST.json").is_file()
-        entry["kind"] = "committed" if committed else "uncommitted step directory"
-        entry["reason"] = (
-            "a committed checkpoint: never removed by gc"
-            if committed
-            else "a step directory without MANIFEST.json, not made by the commit protocol: "
-            "inspect it, then remove it by hand"
-        )
-        entry["step"] = int(path.name.removeprefix("step_")) if path.name[5:].isdigit() else None
-        return entry
-    try:
-        age = time.time() - _newest_mtime(path)
-    except FileNotFoundError:
-        entry.update(action="gone", reason="removed by someone else meanwhile", bytes=0)
-        return entry
-    entry["age_s"] = age
-    if m.group(2) == "corrupt" and not corrupt:
-        entry["reason"] = "moved aside by restore, kept for inspection (--corrupt removes it)"
-        return entry
-    if age < grace:
-        entry["reason"] = f"younger than the grace period ({_age(age)} < {_age(grace)})"
+    if not item.remove:
         return entry
     if dry_run:
-        entry.update(action="would remove", bytes_freed=size)
+        entry.update(action="would remove", bytes_freed=item.bytes)
         return entry
+    path = item.path
     try:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
@@ -313,11 +281,11 @@ def _sweep(path: Path, grace: float, corrupt: bool, dry_run: bool) -> dict[str, 
         left, _files = dir_usage(path) if path.is_dir() else (0, 0)
         entry.update(
             action="failed",
-            bytes_freed=size - left,
+            bytes_freed=item.bytes - left,
             error=f"{exc.filename or path}: {exc.strerror or exc}",
         )
         return entry
-    entry.update(action="removed", bytes_freed=size)
+    entry.update(action="removed", bytes_freed=item.bytes)
     return entry
 
 
@@ -330,13 +298,11 @@ def collect_store_garbage(tier: DurableTier, *, grace: float, dry_run: bool) -> 
     objects of an upload still in progress may be older than that, but not its
     newest.
     """
-    now = time.time()
     try:
-        steps = tier.scan()
-        groups = tier.orphan_groups(steps)
+        plan, steps = catalog.plan_store_gc(tier, grace=grace, now=time.time())
     except (DurableStoreError, FileNotFoundError) as exc:
         raise store_error(exc) from None
-    entries = [_sweep_store(tier, group, grace, now, dry_run) for group in groups]
+    entries = [_sweep_store(tier, item, dry_run) for item in plan]
     removed = [e for e in entries if e["action"] in ("removed", "would remove")]
     return {
         "url": tier.url,
@@ -351,35 +317,23 @@ def collect_store_garbage(tier: DurableTier, *, grace: float, dry_run: bool) -> 
     }
 
 
-def _sweep_store(
-    tier: DurableTier, group: OrphanGroup, grace: float, now: float, dry_run: bool
-) -> dict[str, Any]:
-    age = now - group.modified
+def _sweep_store(tier: DurableTier, item: StoreGcItem, dry_run: bool) -> dict[str, Any]:
+    group = item.group
     entry: dict[str, Any] = {
         "name": group.name,
         "path": f"{tier.url}/{group.name}",
         "step": group.step,
         "kind": "unreferenced" if group.committed else "incomplete",
-        "age_s": age,
+        "age_s": item.age_s,
         "objects": len(group.objects),
         "bytes": group.bytes,
         "action": "kept",
-        "reason": (
-            "not named by the committed manifest: a lost commit race, a failed attempt or "
-            "a crashed write's temporary file"
-            if group.committed
-            else "no MANIFEST.json: an upload cut short (or in progress), or an interrupted "
-            "deletion"
-        ),
+        "reason": item.reason,
         "bytes_freed": 0,
         "error": None,
-        "keys": sorted(o.key for o in group.objects),
+        "keys": item.keys,
     }
-    if age < grace:
-        entry["reason"] = (
-            f"younger than the grace period ({_age(age)} < {_age(grace)}): "
-            "possibly an upload in progress"
-        )
+    if not item.remove:
         return entry
     if dry_run:
         entry.update(action="would remove", bytes_freed=group.bytes)
@@ -393,16 +347,6 @@ def _sweep_store(
     return entry
 
 
-def _age(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f}m"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
-
-
 _ACTION_STYLE = {"removed": "green", "would remove": "yellow", "failed": "bold red"}
 
 
@@ -413,7 +357,7 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
         holder = lock["holder"] or {}
         console.print(
             f"note: the run is locked by pid {holder.get('pid', '?')} on "
-            f"{holder.get('host', '?')}: only entries older than {_age(report['grace_s'])} "
+            f"{holder.get('host', '?')}: only entries older than {age_text(report['grace_s'])} "
             "are removed",
             markup=False,
             soft_wrap=True,
@@ -435,7 +379,7 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
             table.add_row(
                 Text(e["name"]),
                 e["kind"],
-                "-" if e["age_s"] is None else _age(e["age_s"]),
+                "-" if e["age_s"] is None else age_text(e["age_s"]),
                 format_bytes(e["bytes"]),
                 action,
             )
@@ -453,7 +397,7 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
 def _render_store(report: dict[str, Any], out: TextIO) -> None:
     console = make_console(out)
     console.print(
-        f"durable tier {report['url']}: orphans older than {_age(report['grace_s'])}",
+        f"durable tier {report['url']}: orphans older than {age_text(report['grace_s'])}",
         markup=False,
         soft_wrap=True,
     )
@@ -475,7 +419,7 @@ def _render_store(report: dict[str, Any], out: TextIO) -> None:
             table.add_row(
                 Text(e["name"]),
                 e["kind"],
-                _age(e["age_s"]),
+                age_text(e["age_s"]),
                 str(e["objects"]),
                 format_bytes(e["bytes"]),
                 action,

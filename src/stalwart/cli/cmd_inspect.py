@@ -16,22 +16,20 @@ from typing import Any, TextIO
 
 from rich.text import Text
 
+from stalwart.catalog import Problem, load_manifest
 from stalwart.cli.common import (
     EXIT_OK,
-    Problem,
     UsageError,
-    classify,
-    existing_dir,
     format_bytes,
     format_mapping,
     format_time,
-    load_manifest,
     make_console,
     new_table,
-    scan,
+    resolve_checkpoint,
 )
 from stalwart.errors import CheckpointCorruptError, CheckpointNotFoundError
-from stalwart.manifest import MANIFEST_NAME, canonical_json
+from stalwart.layout import DCP_METADATA_NAME, MANIFEST_NAME
+from stalwart.manifest import canonical_json
 from stalwart.safe_load import read_dcp_metadata, tensor_table
 
 __all__ = ["add_parser", "inspect_checkpoint", "resolve_checkpoint", "run"]
@@ -93,36 +91,6 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
-def resolve_checkpoint(target: str, *, step: int | None) -> Path:
-    """The checkpoint directory that ``target`` and ``--step`` name, or ``UsageError``."""
-    directory = existing_dir(target)
-    if classify(directory) == "checkpoint":
-        if step is not None:
-            raise UsageError(
-                f"--step selects a checkpoint of a run, but {target} is already a checkpoint "
-                "directory; drop --step, or pass the run directory"
-            )
-        return directory
-    entries = scan(directory)
-    committed = [e for e in entries if e.status == "committed" and e.step is not None]
-    if step is None:
-        if not committed:
-            others = ", ".join(e.name for e in entries) or "no checkpoints at all"
-            raise UsageError(f"no committed checkpoint in {target} ({others})")
-        return committed[-1].path
-    for e in committed:
-        if e.step == step:
-            return e.path
-    for e in entries:
-        if e.step == step:
-            raise UsageError(
-                f"step {step} of {target} is not committed ({e.name} is {e.status}); "
-                f"inspect it directly with `stalwart inspect {e.path}`"
-            )
-    shown = ", ".join(str(e.step) for e in committed[-10:]) or "none"
-    raise UsageError(f"no checkpoint of step {step} in {target} (committed steps: {shown})")
-
-
 def inspect_checkpoint(checkpoint: Path) -> dict[str, Any]:
     """The ``--json`` report: ``{"path", "manifest" (or None when uncommitted), "tensors"}``.
 
@@ -134,7 +102,7 @@ def inspect_checkpoint(checkpoint: Path) -> dict[str, Any]:
         manifest = load_manifest(checkpoint)
         if isinstance(manifest, Problem):
             raise CheckpointCorruptError(
-                f"{checkpoint / manifest.file}: {manifest.reason}", path=manifest.file
+                f"{checkpoint / str(manifest.file)}: {manifest.reason}", path=manifest.file
             )
         manifest_data = manifest.to_dict()
     try:
@@ -146,12 +114,14 @@ def inspect_checkpoint(checkpoint: Path) -> dict[str, Any]:
                 "it is not a checkpoint"
             ) from exc
         raise CheckpointCorruptError(
-            f"{checkpoint}/.metadata: missing, but the checkpoint is committed; it is damaged",
-            path=".metadata",
+            f"{checkpoint / DCP_METADATA_NAME}: missing, but the checkpoint is committed; "
+            "it is damaged",
+            path=DCP_METADATA_NAME,
         ) from exc
     except OSError as exc:
         raise CheckpointCorruptError(
-            f"{checkpoint}/.metadata: cannot read ({exc.strerror or exc})", path=".metadata"
+            f"{checkpoint / DCP_METADATA_NAME}: cannot read ({exc.strerror or exc})",
+            path=DCP_METADATA_NAME,
         ) from exc
     return {"path": str(checkpoint), "manifest": manifest_data, "tensors": tensor_table(metadata)}
 

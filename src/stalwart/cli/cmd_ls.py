@@ -7,7 +7,6 @@ given a URL, ``ls`` lists the durable tier itself.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import textwrap
 from pathlib import Path
@@ -15,17 +14,13 @@ from typing import Any, TextIO
 
 from rich.text import Text
 
+from stalwart import catalog
+from stalwart.catalog import StepInfo
 from stalwart.cli.common import (
     EXIT_BAD,
     EXIT_OK,
-    DurableHistory,
-    Problem,
-    RunHistory,
     UsageError,
-    check_files,
-    check_metadata,
     classify,
-    dir_usage,
     existing_dir,
     format_bytes,
     format_mapping,
@@ -33,23 +28,17 @@ from stalwart.cli.common import (
     format_time,
     is_url,
     iso_utc,
-    load_manifest,
+    listing_error,
     make_console,
     new_table,
     open_tier,
     progress_bar,
     read_history,
-    scan,
     store_error,
-    strip_source,
 )
-from stalwart.errors import CheckpointCorruptError, DurableStoreError, UnsupportedFormatError
-from stalwart.events import read_events
-from stalwart.manifest import MANIFEST_NAME, Manifest
-from stalwart.report import resume_verdicts, verdict_mark
-from stalwart.storage.base import StepEntry
-from stalwart.storage.durable import DurableTier, RemoteStep, data_dir_name, size_mismatches
-from stalwart.storage.local import step_dir_name
+from stalwart.errors import DurableStoreError
+from stalwart.history import DurableHistory, RunHistory
+from stalwart.storage.durable import DurableTier
 from stalwart.storage.remote import redact_url
 
 __all__ = ["add_parser", "list_run", "list_store", "run"]
@@ -151,17 +140,19 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
 
 def list_run(run: Path, *, verify: bool, warn: TextIO) -> dict[str, Any]:
     """The ``--json`` report: run, verified, latest_step, counts and one entry per checkpoint."""
-    entries = scan(run)
     history = read_history(run, warn)
-    manifests = {e.name: load_manifest(e.path) for e in entries if e.status == "committed"}
-    total = sum(m.total_bytes for m in manifests.values() if isinstance(m, Manifest))
+    try:
+        infos = catalog.list_run(run, skip_reasons=history.skip_reasons)
+    except OSError as exc:
+        raise listing_error(run, exc) from None
+    total = sum(
+        i.manifest.total_bytes for i in infos if i.status == "committed" and i.manifest is not None
+    )
     rows: list[dict[str, Any]] = []
     with progress_bar(total if verify else 0, "verifying") as advance:
-        for entry in entries:
-            if entry.status == "committed":
-                rows.append(_committed_row(entry, manifests[entry.name], verify, history, advance))
-            else:
-                rows.append(_other_row(entry, history))
+        for info in infos:
+            catalog.check_step(info, checksums=verify, advance=advance)
+            rows.append(_local_row(info, history))
     durable = history.durable
     durable_steps = durable.steps
     verdicts = _resume_verdicts(run)
@@ -188,7 +179,7 @@ def list_run(run: Path, *, verify: bool, warn: TextIO) -> dict[str, Any]:
 
 def _resume_verdicts(run: Path) -> dict[int, Any]:
     try:
-        return resume_verdicts(read_events(run))
+        return dict(catalog.resume_verdicts(run))
     except OSError:
         return {}  # read_history has warned already
 
@@ -200,7 +191,7 @@ def _resume_entry(verdicts: dict[int, Any], step: int | None) -> dict[str, Any] 
     record = verdicts[step]
     return {
         "verdict": None if record is None else record.get("event"),
-        "mark": verdict_mark(record),
+        "mark": catalog.verdict_mark(record),
         "message": None if record is None else record.get("message"),
     }
 
@@ -262,16 +253,10 @@ def list_store(tier: DurableTier) -> dict[str, Any]:
     more GET (its manifest), fetched in parallel. No data object is read.
     """
     try:
-        steps = tier.scan()
-        committed = [s for s in steps if s.committed]
-        with concurrent.futures.ThreadPoolExecutor(
-            max_workers=8, thread_name_prefix="stalwart-ls"
-        ) as pool:
-            blobs = list(pool.map(lambda s: _fetch(tier, s), committed))
-        manifests = {s.step: blob for s, blob in zip(committed, blobs, strict=True)}
+        infos = catalog.list_store(tier)
     except (DurableStoreError, FileNotFoundError) as exc:
         raise store_error(exc) from None
-    rows = [_store_row(tier, s, manifests.get(s.step)) for s in steps]
+    rows = [_store_row(info) for info in infos]
     counts = _counts(rows)
     good = [r["step"] for r in rows if r["status"] == "committed"]
     return {
@@ -279,186 +264,43 @@ def list_store(tier: DurableTier) -> dict[str, Any]:
         "verified": False,
         "latest_step": max(good) if good else None,
         "counts": counts,
-        "stored_bytes": sum(s.bytes for s in steps),
+        "stored_bytes": sum(i.stored_bytes or 0 for i in infos),
         "entries": rows,
     }
 
 
-def _fetch(tier: DurableTier, step: RemoteStep) -> bytes | None:
-    """The step's manifest bytes; None when it vanished since the listing (being deleted)."""
-    try:
-        return tier.manifest_bytes(step.step)
-    except FileNotFoundError:
-        return None
-
-
-def _store_row(tier: DurableTier, step: RemoteStep, blob: bytes | None) -> dict[str, Any]:
-    name = step_dir_name(step.step)
-    modified = step.modified or None
-    row = _base_row(name, f"{tier.url}/{name}", step.step, "incomplete")
-    row.update(
-        created=None if modified is None else iso_utc(modified),
-        created_unix=modified,
-        bytes=step.bytes,
-        files=len(step.objects),
-        objects=len(step.objects),
-        stored_bytes=step.bytes,
-    )
-    if not step.committed:
-        row["problems"] = [
-            {
-                "file": None,
-                "reason": f"no {MANIFEST_NAME}: an upload in progress or cut short; never "
-                "restored (gc removes it once older than the grace period)",
-            }
-        ]
-        return row
-    if blob is None:
-        row["problems"] = [
-            {"file": MANIFEST_NAME, "reason": "deleted while listing: the step is being removed"}
-        ]
-        return row
-    row.update(status="committed", checked="size")
-    source = f"{tier.url}/{name}/{MANIFEST_NAME}"
-    try:
-        manifest = Manifest.from_json(blob, source=source)
-    except (CheckpointCorruptError, UnsupportedFormatError) as exc:
-        reason = strip_source(str(exc), source)
-        row.update(status="corrupt", problems=[{"file": MANIFEST_NAME, "reason": reason}])
-        return row
-    _fill_from_manifest(row, manifest)
-    problems = _store_problems(step, manifest, data_dir_name(blob))
-    if manifest.step != step.step:
-        problems.append(
-            Problem(
-                file=MANIFEST_NAME, reason=f"records step {manifest.step}, but the prefix is {name}"
-            )
-        )
-    if problems:
-        row.update(status="corrupt", problems=[p.to_dict() for p in problems])
-    return row
-
-
-def _store_problems(step: RemoteStep, manifest: Manifest, data: str) -> list[Problem]:
-    """Every file of ``manifest`` whose object is missing or has another size."""
-    prefix = f"{step_dir_name(step.step)}/{data}"
-    sizes = {o.key: o.size for o in step.objects}
-    return [
-        Problem(file=entry.path, reason=f"missing: no object {prefix}/{entry.path}")
-        if size is None
-        else Problem(
-            file=entry.path,
-            reason=f"size mismatch (object has {size} bytes, manifest says {entry.size})",
-        )
-        for entry, size in size_mismatches(sizes, prefix, manifest)
-    ]
-
-
-def _base_row(name: str, path: str, step: int | None, status: str) -> dict[str, Any]:
+def _row(info: StepInfo) -> dict[str, Any]:
+    """The fields every ``entries`` item has, from what the catalog found."""
+    manifest = info.manifest
+    modified = info.modified
     return {
-        "name": name,
-        "path": path,
-        "step": step,
-        "status": status,
-        "checked": None,
-        "problems": [],
-        "created": None,
-        "created_unix": None,
-        "bytes": None,
-        "files": None,
-        "world_size": None,
-        "epoch": None,
-        "metrics": {},
+        "name": info.name,
+        "path": info.path,
+        "step": info.step,
+        "status": info.status,
+        "checked": info.checked,
+        "problems": [p.to_dict() for p in info.problems],
+        "created": manifest.created
+        if manifest is not None
+        else (None if modified is None else iso_utc(modified)),
+        "created_unix": manifest.created_unix if manifest is not None else modified,
+        "bytes": info.bytes,
+        "files": info.files,
+        "world_size": None if manifest is None else manifest.world_size,
+        "epoch": None if manifest is None else manifest.epoch,
+        "metrics": {} if manifest is None else manifest.metrics,
     }
 
 
-def _local_row(entry: StepEntry, history: RunHistory) -> dict[str, Any]:
-    row = _base_row(entry.name, str(entry.path), entry.step, entry.status)
-    row["timings"] = history.timings.get(entry.step) if entry.step is not None else None
+def _store_row(info: StepInfo) -> dict[str, Any]:
+    row = _row(info)
+    row.update(objects=info.objects, stored_bytes=info.stored_bytes)
     return row
 
 
-def _fill_from_manifest(row: dict[str, Any], manifest: Manifest) -> None:
-    row.update(
-        created=manifest.created,
-        created_unix=manifest.created_unix,
-        bytes=manifest.total_bytes,
-        files=len(manifest.files),
-        world_size=manifest.world_size,
-        epoch=manifest.epoch,
-        metrics=manifest.metrics,
-    )
-
-
-def _fill_from_disk(row: dict[str, Any], path: Path) -> None:
-    size, files = dir_usage(path)
-    try:
-        mtime: float | None = path.stat().st_mtime
-    except OSError:
-        mtime = None
-    row.update(
-        created=None if mtime is None else iso_utc(mtime),
-        created_unix=mtime,
-        bytes=size,
-        files=files,
-    )
-
-
-def _committed_row(
-    entry: StepEntry,
-    manifest: Manifest | Problem,
-    verify: bool,
-    history: RunHistory,
-    advance: Any,
-) -> dict[str, Any]:
-    row = _local_row(entry, history)
-    row["checked"] = "checksum" if verify else "size"
-    if isinstance(manifest, Problem):
-        _fill_from_disk(row, entry.path)
-        problems = [manifest]
-    else:
-        _fill_from_manifest(row, manifest)
-        problems = check_files(entry.path, manifest, checksums=verify, advance=advance)
-        if manifest.step != entry.step:
-            problems.append(
-                Problem(
-                    file=MANIFEST_NAME,
-                    reason=f"records step {manifest.step}, but the directory is {entry.name}",
-                )
-            )
-        if verify and not problems and (bad := check_metadata(entry.path)) is not None:
-            problems.append(bad)
-    if problems:
-        row["status"] = "corrupt"
-        row["problems"] = [p.to_dict() for p in problems]
-    return row
-
-
-def _other_row(entry: StepEntry, history: RunHistory) -> dict[str, Any]:
-    row = _local_row(entry, history)
-    manifest = load_manifest(entry.path) if (entry.path / MANIFEST_NAME).is_file() else None
-    if isinstance(manifest, Manifest):
-        _fill_from_manifest(row, manifest)
-    else:
-        _fill_from_disk(row, entry.path)
-    if entry.status == "corrupt":
-        reason = history.skip_reasons.get(entry.step) if entry.step is not None else None
-        row["problems"] = [
-            {
-                "file": None,
-                "reason": "moved aside by restore: " + (reason or "it failed verification"),
-            }
-        ]
-    elif ".del-" in entry.name:
-        row["problems"] = [{"file": None, "reason": "being deleted by retention"}]
-    elif entry.name.startswith("."):
-        row["problems"] = [
-            {"file": None, "reason": "not committed: a save in progress or abandoned"}
-        ]
-    else:
-        row["problems"] = [
-            {"file": MANIFEST_NAME, "reason": "missing: a step directory that was never committed"}
-        ]
+def _local_row(info: StepInfo, history: RunHistory) -> dict[str, Any]:
+    row = _row(info)
+    row["timings"] = history.timings.get(info.step) if info.step is not None else None
     return row
 
 

@@ -1,6 +1,6 @@
 """``stalwart plan``: how to parallelize a model, how big its checkpoints are, how often to save.
 
-The arithmetic is in ``stalwart.plan`` (pure functions, sources cited there);
+The arithmetic is in ``stalwart.cli.planner`` (pure functions, sources cited there);
 this module parses the command line, optionally measures a disk, and prints.
 """
 
@@ -17,18 +17,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from stalwart.cli.common import EXIT_OK, UsageError, existing_dir, make_console, new_table
-from stalwart.plan import (
-    GPU_MEMORY,
-    OPTIMIZERS,
-    PRECISIONS,
-    PlanInputs,
-    make_plan,
-    parse_bandwidth,
-    parse_count,
-    parse_duration,
-    parse_size,
-)
-from stalwart.plan import format_size as _gb
+from stalwart.cli.planner import GPU_MEMORY, OPTIMIZERS, PRECISIONS, PlanInputs, make_plan
+from stalwart.cli.units import format_size, parse_bandwidth, parse_count, parse_duration, parse_size
 
 __all__ = ["add_parser", "measure_disk", "run"]
 
@@ -351,7 +341,7 @@ def measure_disk(directory: Path, *, size: int) -> dict[str, Any]:
 
 
 def _bw(n: float) -> str:
-    return _gb(n) + "/s"
+    return format_size(n) + "/s"
 
 
 def _dur(s: float | None) -> str:
@@ -390,7 +380,7 @@ def _render(plan: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None
     bpp = mem["bytes_per_param"]
     console.print(
         f"plan: {args.params:,} parameters, {i['precision']} + {i['optimizer']}, "
-        f"{i['gpus_per_node']} GPU(s) x {i['nodes']} node(s) of {_gb(i['gpu_memory'])}",
+        f"{i['gpus_per_node']} GPU(s) x {i['nodes']} node(s) of {format_size(i['gpu_memory'])}",
         markup=False,
         soft_wrap=True,
     )
@@ -409,16 +399,16 @@ def _render(plan: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None
                 f"{bpp['weights']} weights + {bpp['grads']} grads + {bpp['master']} fp32 master "
                 f"+ {bpp['optimizer']} optimizer",
             ),
-            ("training state", _gb(mem["state_total_bytes"]), "activations not modeled"),
+            ("training state", format_size(mem["state_total_bytes"]), "activations not modeled"),
             (
                 "budget per GPU",
-                _gb(budget),
-                f"{i['usable_fraction']:.0%} of {_gb(i['gpu_memory'])}; the rest is headroom",
+                format_size(budget),
+                f"{i['usable_fraction']:.0%} of {format_size(i['gpu_memory'])}; the rest is headroom",
             ),
-            ("state per GPU", _gb(mem["state_per_gpu_bytes"]), per_gpu_how),
+            ("state per GPU", format_size(mem["state_per_gpu_bytes"]), per_gpu_how),
         ]
         + (
-            [("host per node", _gb(mem["host_per_node_bytes"]), "offloaded state")]
+            [("host per node", format_size(mem["host_per_node_bytes"]), "offloaded state")]
             if mem["host_per_node_bytes"] is not None
             else []
         ),
@@ -436,11 +426,11 @@ def _render(plan: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None
         [
             (
                 "size",
-                _gb(ck["total_bytes"]),
+                format_size(ck["total_bytes"]),
                 f"{ck['bytes_per_param']} B/param: fp32 weights + optimizer",
             ),
-            ("per rank", _gb(ck["per_rank_bytes"]), "each rank writes its share"),
-            ("per node", _gb(ck["per_node_bytes"]), ""),
+            ("per rank", format_size(ck["per_rank_bytes"]), "each rank writes its share"),
+            ("per node", format_size(ck["per_node_bytes"]), ""),
             (
                 "sync stall",
                 _dur(ck["sync_stall_s"]),
@@ -449,9 +439,9 @@ def _render(plan: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None
             (
                 "async stall",
                 _dur(ck["async_stall_s"]),
-                f"{_gb(ck['staged_per_rank_bytes'])} staged per rank / copy "
+                f"{format_size(ck['staged_per_rank_bytes'])} staged per rank / copy "
                 f"{_bw(i['copy_bw'])} ({src['copy_bw']}); needs "
-                f"{_gb(ck['staging_host_memory_per_node_bytes'])} host memory per node",
+                f"{format_size(ck['staging_host_memory_per_node_bytes'])} host memory per node",
             ),
             ("time to durable", _dur(ck["time_to_durable_s"]), f"{mode} save"),
             (
@@ -494,7 +484,7 @@ def _render(plan: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None
         )
     ret = plan["retention"]
     console.print(
-        f"\nretention: keep_last={ret['keep_last']}, about {_gb(ret['disk_per_run_bytes'])} of "
+        f"\nretention: keep_last={ret['keep_last']}, about {format_size(ret['disk_per_run_bytes'])} of "
         f"disk. {ret['reason']}.\ntiering: {ret['tiering']}",
         markup=False,
         soft_wrap=True,

@@ -21,9 +21,9 @@ from stalwart.cli.common import (
     format_time,
     make_console,
 )
+from stalwart.cli.timeline import draw_timeline, read_run, render_html, summarize
 from stalwart.errors import StalwartError
-from stalwart.events import EVENTS_NAME
-from stalwart.report import draw_timeline, read_run, render_html, summarize
+from stalwart.layout import EVENTS_NAME
 
 __all__ = ["add_parser", "run"]
 

@@ -40,7 +40,6 @@ from typing import Any, TextIO
 import torch
 from rich.text import Text
 
-from stalwart.cli.cmd_inspect import resolve_checkpoint
 from stalwart.cli.common import (
     EXIT_BAD,
     EXIT_OK,
@@ -51,6 +50,7 @@ from stalwart.cli.common import (
     name_step,
     new_table,
     non_negative_float,
+    resolve_checkpoint,
 )
 from stalwart.errors import StalwartError
 from stalwart.pipeline import load_checkpoint

@@ -10,23 +10,19 @@ from typing import Any, TextIO
 
 from rich.text import Text
 
+from stalwart import catalog
+from stalwart.catalog import StepInfo
 from stalwart.cli.common import (
     EXIT_BAD,
     EXIT_OK,
-    Problem,
-    check_files,
-    check_metadata,
     classify,
     existing_dir,
     format_bytes,
-    load_manifest,
+    listing_error,
     make_console,
-    name_step,
     new_table,
     progress_bar,
-    scan,
 )
-from stalwart.manifest import MANIFEST_NAME, Manifest
 
 __all__ = ["add_parser", "run", "verify_target"]
 
@@ -78,12 +74,16 @@ def verify_target(target: Path) -> dict[str, Any]:
     kind = classify(target)
     skipped: list[dict[str, Any]] = []
     if kind == "checkpoint":
-        todo = [(target.resolve().name, target, name_step(target))]
+        todo = [catalog.read_checkpoint(target)]
     else:
         todo = []
-        for entry in scan(target):
+        try:
+            entries = catalog.scan_run(target)
+        except OSError as exc:
+            raise listing_error(target, exc) from None
+        for entry in entries:
             if entry.status == "committed":
-                todo.append((entry.name, entry.path, entry.step))
+                todo.append(catalog.read_checkpoint(entry.path))
             else:
                 skipped.append(
                     {
@@ -93,12 +93,11 @@ def verify_target(target: Path) -> dict[str, Any]:
                         "status": entry.status,
                     }
                 )
-    manifests = [load_manifest(path) for _name, path, _step in todo]
-    total = sum(m.total_bytes for m in manifests if isinstance(m, Manifest))
-    results: list[dict[str, Any]] = []
+    total = sum(i.manifest.total_bytes for i in todo if i.manifest is not None)
     with progress_bar(total, "verifying") as advance:
-        for (name, path, dir_step), manifest in zip(todo, manifests, strict=True):
-            results.append(_verify_one(name, path, dir_step, manifest, advance))
+        results = [
+            _result(catalog.check_step(info, checksums=True, advance=advance)) for info in todo
+        ]
     ok = bool(results) and all(r["ok"] for r in results)
     return {
         "target": str(target),
@@ -109,39 +108,18 @@ def verify_target(target: Path) -> dict[str, Any]:
     }
 
 
-def _verify_one(
-    name: str, path: Path, dir_step: int | None, manifest: Manifest | Problem, advance: Any
-) -> dict[str, Any]:
-    result: dict[str, Any] = {
-        "name": name,
-        "path": str(path),
-        "step": dir_step,
-        "ok": False,
-        "files": None,
-        "bytes": None,
-        "problems": [],
+def _result(info: StepInfo) -> dict[str, Any]:
+    """One checked checkpoint as a ``checkpoints`` entry of the report."""
+    manifest = info.manifest
+    return {
+        "name": info.name,
+        "path": info.path,
+        "step": info.step if manifest is None else manifest.step,
+        "ok": not info.problems,
+        "files": None if manifest is None else len(manifest.files),
+        "bytes": None if manifest is None else manifest.total_bytes,
+        "problems": [p.to_dict() for p in info.problems],
     }
-    if isinstance(manifest, Problem):
-        result["problems"] = [manifest.to_dict()]
-        return result
-    problems = check_files(path, manifest, checksums=True, advance=advance)
-    if dir_step is not None and manifest.step != dir_step:
-        problems.append(
-            Problem(
-                file=MANIFEST_NAME,
-                reason=f"records step {manifest.step}, but the directory is {name}",
-            )
-        )
-    if not problems and (bad := check_metadata(path)) is not None:
-        problems.append(bad)
-    result.update(
-        step=manifest.step,
-        ok=not problems,
-        files=len(manifest.files),
-        bytes=manifest.total_bytes,
-        problems=[p.to_dict() for p in problems],
-    )
-    return result
 
 
 def _render(report: dict[str, Any], out: TextIO) -> None:

@@ -1,4 +1,4 @@
-"""What the CLI commands share: finding runs and checkpoints, checking files, printing.
+"""What the CLI commands share: naming runs and checkpoints on the command line, printing.
 
 Only reads: nothing here writes to, moves or deletes anything in a run directory,
 and nothing deserializes tensor data or runs a full unpickler (DCP ``.metadata``
@@ -8,12 +8,10 @@ goes through ``stalwart.safe_load``'s restricted reader).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import math
 import os
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
@@ -21,22 +19,13 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.errors import (
-    CheckpointCorruptError,
-    CheckpointNotFoundError,
-    DurableStoreError,
-    StalwartError,
-    UnsupportedFormatError,
-)
-from stalwart.events import EVENTS_NAME, NotRegularFileError, read_events
-from stalwart.lock import LOCK_NAME
-from stalwart.manifest import MANIFEST_NAME, Manifest
-from stalwart.pipeline import file_problems, read_manifest
+from stalwart import catalog, history
+from stalwart.errors import DurableStoreError, StalwartError
+from stalwart.events import NotRegularFileError
+from stalwart.history import RunHistory
+from stalwart.layout import EVENTS_NAME, MANIFEST_NAME, parse_checkpoint_name
 from stalwart.progress import progress_bar
-from stalwart.safe_load import read_dcp_metadata
-from stalwart.storage.base import StepEntry
 from stalwart.storage.durable import DurableTier
-from stalwart.storage.local import LocalStorage
 from stalwart.storage.remote import RetryPolicy, is_url
 
 __all__ = [
@@ -44,22 +33,17 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "STORE_RETRY",
-    "DurableHistory",
-    "Problem",
-    "RunHistory",
     "UsageError",
-    "check_files",
-    "check_metadata",
     "classify",
-    "dir_usage",
     "existing_dir",
     "format_bytes",
     "format_mapping",
     "format_seconds",
     "format_time",
+    "format_value",
     "is_url",
     "iso_utc",
-    "load_manifest",
+    "listing_error",
     "make_console",
     "name_step",
     "new_table",
@@ -67,9 +51,8 @@ __all__ = [
     "open_tier",
     "progress_bar",
     "read_history",
-    "scan",
+    "resolve_checkpoint",
     "store_error",
-    "strip_source",
 ]
 
 EXIT_OK = 0
@@ -79,29 +62,9 @@ EXIT_BAD = 1
 EXIT_USAGE = 2
 """The command line is wrong: missing path, not a run or checkpoint, unknown step."""
 
-# The names a checkpoint directory has in a run (committed, staging, moved aside).
-_CHECKPOINT_NAME_RE = re.compile(r"^\.?step_(\d{9,})(\.(tmp|del|corrupt)-[0-9a-f]+)?$")
-_DCP_METADATA = ".metadata"
-_TIMING_KEYS = ("stall_s", "write_s", "checksum_s", "commit_s", "total_s", "throughput_MBps")
-
 
 class UsageError(StalwartError):
     """The user named something the command cannot work on; exit status 2."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Problem:
-    """Why one file of a checkpoint is bad."""
-
-    file: str
-    """Path relative to the checkpoint directory (``MANIFEST.json``, ``__0_0.distcp``, ...)."""
-    reason: str
-
-    def to_dict(self) -> dict[str, str]:
-        return {"file": self.file, "reason": self.reason}
-
-    def __str__(self) -> str:
-        return f"{self.file}: {self.reason}"
 
 
 # ----------------------------------------------------------------- locating things
@@ -127,59 +90,62 @@ def existing_dir(text: str) -> Path:
 
 
 def classify(path: Path) -> Literal["run", "checkpoint"]:
-    """Whether ``path`` (an existing directory) is a run or one checkpoint of a run.
-
-    A checkpoint holds MANIFEST.json or DCP's ``.metadata``, or carries a
-    checkpoint's name (``step_…``, ``.step_….tmp-…``); a run holds checkpoints,
-    ``events.jsonl`` or the run lock. Anything else is a ``UsageError``.
-    """
-    if (
-        (path / MANIFEST_NAME).is_file()
-        or (path / _DCP_METADATA).is_file()
-        or _CHECKPOINT_NAME_RE.match(path.resolve().name)
-    ):
-        return "checkpoint"
-    if (path / EVENTS_NAME).is_file() or (path / LOCK_NAME).is_file() or scan(path):
-        return "run"
-    raise UsageError(
-        f"{path} is neither a stalwart run directory (no step_* checkpoints, no "
-        f"{EVENTS_NAME}) nor a checkpoint directory (no {MANIFEST_NAME})"
-    )
+    """Whether ``path`` (an existing directory) is a run or one checkpoint of a run
+    (``catalog.kind_of_dir``); anything else is a ``UsageError``."""
+    try:
+        kind = catalog.kind_of_dir(path)
+    except OSError as exc:
+        raise listing_error(path, exc) from None
+    if kind is None:
+        raise UsageError(
+            f"{path} is neither a stalwart run directory (no step_* checkpoints, no "
+            f"{EVENTS_NAME}) nor a checkpoint directory (no {MANIFEST_NAME})"
+        )
+    return kind
 
 
 def name_step(path: Path) -> int | None:
     """The step a checkpoint directory's name says it holds, or None for another name."""
-    m = _CHECKPOINT_NAME_RE.match(path.name)
-    return int(m.group(1)) if m else None
+    parsed = parse_checkpoint_name(path.name)
+    return None if parsed is None else parsed.step
 
 
-def scan(run: Path) -> list[StepEntry]:
-    """``LocalStorage.scan`` with an unreadable directory reported as a ``UsageError``."""
+def resolve_checkpoint(target: str, *, step: int | None) -> Path:
+    """The checkpoint directory that ``target`` and ``--step`` name, or ``UsageError``."""
+    directory = existing_dir(target)
+    if classify(directory) == "checkpoint":
+        if step is not None:
+            raise UsageError(
+                f"--step selects a checkpoint of a run, but {target} is already a checkpoint "
+                "directory; drop --step, or pass the run directory"
+            )
+        return directory
     try:
-        return list(LocalStorage(run).scan())
+        entries = catalog.scan_run(directory)
     except OSError as exc:
-        raise UsageError(f"{run}: cannot list the directory ({exc.strerror or exc})") from None
+        raise listing_error(directory, exc) from None
+    committed = [e for e in entries if e.status == "committed" and e.step is not None]
+    if step is None:
+        if not committed:
+            others = ", ".join(e.name for e in entries) or "no checkpoints at all"
+            raise UsageError(f"no committed checkpoint in {target} ({others})")
+        return committed[-1].path
+    for e in committed:
+        if e.step == step:
+            return e.path
+    for e in entries:
+        if e.step == step:
+            raise UsageError(
+                f"step {step} of {target} is not committed ({e.name} is {e.status}); "
+                f"inspect it directly with `stalwart inspect {e.path}`"
+            )
+    shown = ", ".join(str(e.step) for e in committed[-10:]) or "none"
+    raise UsageError(f"no checkpoint of step {step} in {target} (committed steps: {shown})")
 
 
-def dir_usage(path: Path) -> tuple[int, int]:
-    """``(bytes, files)`` under ``path``; entries that vanish or cannot be read are skipped."""
-    total = files = 0
-    stack = [path]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for entry in it:
-                    try:
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(Path(entry.path))
-                        elif entry.is_file(follow_symlinks=False):
-                            total += entry.stat(follow_symlinks=False).st_size
-                            files += 1
-                    except OSError:
-                        continue
-        except OSError:
-            continue
-    return total, files
+def listing_error(run: Path, exc: OSError) -> UsageError:
+    """A run directory that could not be listed, as a one-line ``UsageError``."""
+    return UsageError(f"{run}: cannot list the directory ({exc.strerror or exc})")
 
 
 STORE_RETRY = RetryPolicy(
@@ -218,216 +184,13 @@ def store_error(exc: OSError) -> UsageError:
     return UsageError(f"{text}; {hint}")
 
 
-# ----------------------------------------------------------------- checking files
-
-
-def load_manifest(checkpoint: Path) -> Manifest | Problem:
-    """The checkpoint's validated manifest, or the ``Problem`` that makes it unusable."""
-    try:
-        return read_manifest(checkpoint)
-    except CheckpointNotFoundError:
-        return Problem(
-            file=MANIFEST_NAME,
-            reason="missing: the checkpoint was never committed (an unfinished or abandoned save)",
-        )
-    except UnsupportedFormatError as exc:
-        return Problem(
-            file=MANIFEST_NAME,
-            reason=strip_source(str(exc), checkpoint / MANIFEST_NAME, checkpoint / _DCP_METADATA),
-        )
-    except CheckpointCorruptError as exc:
-        return Problem(
-            file=MANIFEST_NAME,
-            reason=strip_source(str(exc), checkpoint / MANIFEST_NAME, checkpoint / _DCP_METADATA),
-        )
-
-
-def check_files(
-    checkpoint: Path,
-    manifest: Manifest,
-    *,
-    checksums: bool,
-    advance: Callable[[int], None] | None = None,
-) -> list[Problem]:
-    """Every bad file of ``manifest``: the checks restore runs (``pipeline.file_problems``), all reported."""
-    return [
-        Problem(file=p.file, reason=p.reason)
-        for p in file_problems(checkpoint, manifest, checksums=checksums, advance=advance)
-    ]
-
-
-def check_metadata(checkpoint: Path) -> Problem | None:
-    """Read DCP's ``.metadata`` with the restricted unpickler; a ``Problem`` when it would not load."""
-    try:
-        read_dcp_metadata(checkpoint)
-    except CheckpointNotFoundError:
-        return Problem(file=_DCP_METADATA, reason="missing: not a DCP checkpoint")
-    except CheckpointCorruptError as exc:
-        return Problem(
-            file=_DCP_METADATA,
-            reason=strip_source(str(exc), checkpoint / MANIFEST_NAME, checkpoint / _DCP_METADATA),
-        )
-    except OSError as exc:
-        return Problem(file=_DCP_METADATA, reason=f"cannot read ({exc.strerror or exc})")
-    return None
-
-
-def strip_source(message: str, *sources: str | Path) -> str:
-    """``message`` without a leading ``source: `` (library messages start with the file or
-    URL they are about; the CLI already names it)."""
-    for source in map(str, sources):
-        if message.startswith(source + ": "):
-            return message[len(source) + 2 :]
-        if message.startswith(source + " "):
-            return message[len(source) + 1 :]
-    return message
-
-
 # ----------------------------------------------------------------- events
-
-
-@dataclasses.dataclass(slots=True)
-class RunHistory:
-    """What ``events.jsonl`` says about each step, for ``ls``."""
-
-    timings: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
-    """Timings of the last ``save`` event of each step (stall_s, write_s, ...)."""
-    skip_reasons: dict[int, str] = dataclasses.field(default_factory=dict)
-    """Reason of the last ``restore_skipped`` event of each step."""
-    durable: DurableHistory = dataclasses.field(default_factory=lambda: DurableHistory())
-    """What the events say about the run's durable tier."""
-
-
-def _int_step(record: Mapping[str, Any]) -> int | None:
-    step = record.get("step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
-
-
-def _url(value: Any) -> str | None:
-    return value.rstrip("/") if isinstance(value, str) and value else None
-
-
-@dataclasses.dataclass(slots=True)
-class _TierRecord:
-    """The upload history of one durable URL."""
-
-    durable: set[int] = dataclasses.field(default_factory=set)
-    """Steps uploaded (or downloaded from it) and not deleted by durable retention since."""
-    uploads: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    """The last ``upload`` event of each step."""
-    failures: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    """The last ``upload_failed`` event of each step not uploaded since."""
-    unreachable: dict[str, Any] | None = None
-    """The last ``durable_unreachable`` event, if no upload succeeded after it."""
-    behind: list[int] = dataclasses.field(default_factory=list)
-    """``durable_behind`` steps of the last close, minus those uploaded since."""
-
-
-@dataclasses.dataclass(slots=True)
-class DurableHistory:
-    """Which steps of a run reached its durable tier, according to ``events.jsonl``.
-
-    Runs can be reopened with another ``durable=`` URL, so everything is kept per
-    URL: ``upload`` and ``download`` events name theirs; ``durable_delete``,
-    ``upload_failed`` and the other durable events belong to the URL of the
-    ``open`` before them. The tier shown is the newest ``open`` event's, else that
-    of the newest upload. A step restored from the tier (``download``) is in it.
-    """
-
-    _seen: str | None = None
-    _session: str | None = None  # the durable URL of the newest ``open`` (None: none then)
-    _tiers: dict[str, _TierRecord] = dataclasses.field(default_factory=dict)
-
-    def feed(self, record: Mapping[str, Any]) -> None:
-        """Take one event (in log order)."""
-        event = record.get("event")
-        step = _int_step(record)
-        if event == "open":
-            self._session = _url(record.get("durable"))
-            self._seen = self._session or self._seen
-            return
-        url = _url(record.get("url")) if event in ("upload", "download") else None
-        url = url or self._session
-        if url is None:
-            return
-        tier = self._tiers.setdefault(url, _TierRecord())
-        if event == "upload" and step is not None:
-            self._seen = url
-            tier.durable.add(step)
-            tier.uploads[step] = dict(record)
-            tier.failures.pop(step, None)
-            tier.unreachable = None
-            tier.behind = [s for s in tier.behind if s != step]
-        elif event == "download" and step is not None:
-            tier.durable.add(step)  # it was restored from there, so it is there
-        elif event == "durable_delete" and step is not None:
-            tier.durable.discard(step)
-        elif event == "upload_failed" and step is not None:
-            tier.failures[step] = dict(record)
-        elif event == "durable_unreachable":
-            tier.unreachable = dict(record)
-        elif event == "durable_behind":
-            steps = record.get("steps")
-            tier.behind = (
-                [s for s in steps if isinstance(s, int)] if isinstance(steps, list) else []
-            )
-
-    @property
-    def url(self) -> str | None:
-        """The run's durable URL (no credentials), or None when it never had one."""
-        return self._session or self._seen
-
-    def _tier(self) -> _TierRecord:
-        url = self.url
-        return self._tiers.get(url, _TierRecord()) if url is not None else _TierRecord()
-
-    @property
-    def steps(self) -> set[int]:
-        """Steps durable in the current tier: uploaded and not deleted by its retention."""
-        return set(self._tier().durable)
-
-    @property
-    def last_step(self) -> int | None:
-        """The newest durable step (what ``CheckpointManager.last_durable_step`` reported)."""
-        return max(self._tier().durable, default=None)
-
-    def upload_of(self, step: int) -> dict[str, Any] | None:
-        """The last ``upload`` event of ``step`` to the current tier."""
-        return self._tier().uploads.get(step)
-
-    @property
-    def failures(self) -> list[dict[str, Any]]:
-        """``upload_failed`` events of steps never uploaded afterwards, oldest step first."""
-        tier = self._tier()
-        return [tier.failures[s] for s in sorted(tier.failures)]
-
-    @property
-    def unreachable(self) -> dict[str, Any] | None:
-        return self._tier().unreachable
-
-    @property
-    def behind(self) -> list[int]:
-        return list(self._tier().behind)
 
 
 def read_history(run: Path, warn: TextIO) -> RunHistory:
     """Read the run's ``events.jsonl``; an absent log gives an empty history, an unreadable one a warning."""
-    history = RunHistory()
     try:
-        for record in read_events(run):
-            history.durable.feed(record)
-            step = record.get("step")
-            if not isinstance(step, int) or isinstance(step, bool):
-                continue
-            if record.get("event") == "save":
-                history.timings[step] = {
-                    key: float(record[key])
-                    for key in _TIMING_KEYS
-                    if isinstance(record.get(key), (int, float))
-                    and not isinstance(record[key], bool)
-                }
-            elif record.get("event") == "restore_skipped" and isinstance(record.get("reason"), str):
-                history.skip_reasons[step] = record["reason"]
+        return history.read_history(run)
     except NotRegularFileError as exc:
         print(f"stalwart: warning: {exc}; showing no timings", file=warn)
     except OSError as exc:
@@ -436,7 +199,7 @@ def read_history(run: Path, warn: TextIO) -> RunHistory:
             "showing no timings",
             file=warn,
         )
-    return history
+    return RunHistory()
 
 
 # ----------------------------------------------------------------- output

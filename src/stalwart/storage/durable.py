@@ -29,7 +29,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -39,6 +38,7 @@ from typing import Any
 import xxhash
 
 from stalwart.errors import CheckpointCorruptError, CommitConflictError, DurableStoreError
+from stalwart.layout import parse_step_key, step_dir_name
 from stalwart.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -47,7 +47,7 @@ from stalwart.manifest import (
     hash_file,
     open_checkpoint_file,
 )
-from stalwart.storage.local import fsync_file, step_dir_name
+from stalwart.storage.local import fsync_file
 from stalwart.storage.remote import (
     CHUNK,
     RetryPolicy,
@@ -57,7 +57,6 @@ from stalwart.storage.remote import (
 
 __all__ = ["DurableTier", "RemoteStep", "TransferResult", "data_dir_name"]
 
-_STEP_KEY = re.compile(r"^step_(\d{9,})/(.+)$")
 RANGE = 32 * 2**20
 """Bytes per ranged GET when downloading; ranges of one file download in parallel."""
 
@@ -167,13 +166,13 @@ class DurableTier:
         steps: dict[int, RemoteStep] = {}
         listing = self._retrying(self.client.list_objects, f"list {self.url}", policy=retry)
         for info in listing:
-            m = _STEP_KEY.match(info.key)
-            if not m:
+            parsed = parse_step_key(info.key)
+            if parsed is None:
                 continue  # not ours: leave it alone
-            step = int(m.group(1))
+            step, rest = parsed
             entry = steps.setdefault(step, RemoteStep(step=step, committed=False))
             entry.objects.append(info)
-            if m.group(2) == MANIFEST_NAME:
+            if rest == MANIFEST_NAME:
                 entry.committed = True
         return [steps[s] for s in sorted(steps)]
 

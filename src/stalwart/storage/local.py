@@ -24,31 +24,23 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import shutil
 import stat
-import uuid
 from pathlib import Path
 
 from stalwart.errors import CheckpointSaveError
-from stalwart.manifest import MANIFEST_NAME
+from stalwart.layout import (
+    MANIFEST_NAME,
+    hidden_name,
+    parse_checkpoint_name,
+    step_dir_name,
+    step_of_dir_name,
+)
 from stalwart.storage.base import StepEntry, StepStatus
 
 __all__ = ["LocalStorage", "fsync_dir", "fsync_file", "step_dir_name", "step_of_dir_name"]
 
 logger = logging.getLogger("stalwart")
-_STEP_RE = re.compile(r"^step_(\d{9,})$")
-_TMP_RE = re.compile(r"^\.step_(\d{9,})\.(tmp|del|corrupt)-[0-9a-f]+$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:09d}"
-
-
-def step_of_dir_name(name: str) -> int | None:
-    """The step a committed checkpoint directory's name says (``step_000000200`` -> 200), else None."""
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
 
 
 def fsync_dir(path: Path) -> None:
@@ -81,7 +73,7 @@ class LocalStorage:
         return self.root / name
 
     def begin(self, step: int) -> Path:
-        staging = self.root / f".{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
+        staging = self.root / hidden_name(step, "tmp")
         staging.mkdir(parents=False, exist_ok=False)
         return staging
 
@@ -132,27 +124,22 @@ class LocalStorage:
             return []
         for name in names:
             path = self.root / name
-            if not (_STEP_RE.match(name) or _TMP_RE.match(name)):
+            parsed = parse_checkpoint_name(name)
+            if parsed is None:
                 continue
             if not _is_real_dir(path):
                 logger.debug("%s is not a real directory (a link?): not a checkpoint", path)
                 continue
-            if m := _STEP_RE.match(name):
+            status: StepStatus
+            if parsed.kind == "step":
                 # A step directory without a manifest cannot come from our rename
                 # protocol (the manifest is in place before the rename); it was
                 # copied or damaged by hand, and does not count as committed.
                 committed = (path / MANIFEST_NAME).is_file()
-                entries.append(
-                    StepEntry(
-                        name=name,
-                        path=path,
-                        step=int(m.group(1)),
-                        status="committed" if committed else "incomplete",
-                    )
-                )
-            elif m := _TMP_RE.match(name):
-                status: StepStatus = "corrupt" if m.group(2) == "corrupt" else "incomplete"
-                entries.append(StepEntry(name=name, path=path, step=int(m.group(1)), status=status))
+                status = "committed" if committed else "incomplete"
+            else:
+                status = "corrupt" if parsed.kind == "corrupt" else "incomplete"
+            entries.append(StepEntry(name=name, path=path, step=parsed.step, status=status))
         entries.sort(key=lambda e: (e.step if e.step is not None else -1, e.name))
         return entries
 
@@ -162,7 +149,7 @@ class LocalStorage:
     def quarantine(self, step: int) -> Path:
         """Move a committed step that failed verification out of the way, keeping it for inspection."""
         path = self.step_path(step)
-        aside = self.root / f".{step_dir_name(step)}.corrupt-{uuid.uuid4().hex[:12]}"
+        aside = self.root / hidden_name(step, "corrupt")
         os.rename(path, aside)
         fsync_dir(self.root)
         return aside
@@ -172,7 +159,7 @@ class LocalStorage:
         # Rename first: the checkpoint stops existing atomically, so a crash in the
         # middle of rmtree leaves a hidden directory for gc, never a committed
         # step with missing files.
-        doomed = self.root / f".{step_dir_name(step)}.del-{uuid.uuid4().hex[:12]}"
+        doomed = self.root / hidden_name(step, "del")
         os.rename(path, doomed)
         fsync_dir(self.root)
         _remove(doomed)

@@ -14,23 +14,21 @@ import datetime
 import html
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from stalwart.events import read_events
+from stalwart.history import VERDICT_EVENTS, verdict_mark
 
 __all__ = [
     "PROBLEM_EVENTS",
-    "VERDICT_EVENTS",
     "Timeline",
     "draw_timeline",
     "read_run",
     "read_timeline",
     "render_html",
-    "resume_verdicts",
     "summarize",
-    "verdict_mark",
 ]
 
 PROBLEM_EVENTS = (
@@ -199,44 +197,6 @@ def _verdict_of(timeline: Timeline, restore: dict[str, Any]) -> dict[str, Any] |
 
 def _verdicts(timeline: Timeline) -> list[dict[str, Any]]:
     return [r for r in timeline.all if r["event"] in VERDICT_EVENTS]
-
-
-# The exact-resume certificate's verdicts (written by stalwart.certificate via the manager).
-
-VERDICT_EVENTS = ("resume_verified", "resume_diverged", "resume_unverified")
-
-
-def verdict_mark(record: Mapping[str, Any] | None) -> str:
-    """A short mark for a restore's verdict event; ``None`` (a restore with no verdict) is "unchecked".
-
-    A restore without a verdict comes from a stalwart that did not check yet
-    (its ``exact`` field only meant "same world size"), or from a run still
-    redoing its steps.
-    """
-    if record is None:
-        return "unchecked"
-    event = record.get("event")
-    if event == "resume_verified":
-        return f"exact to {record.get('through')}"
-    if event == "resume_diverged":
-        return f"DIVERGED at {record.get('step')} (rank {record.get('rank')})"
-    return "unverified"
-
-
-def resume_verdicts(records: Iterable[Mapping[str, Any]]) -> dict[int, Mapping[str, Any] | None]:
-    """For each restored step, the verdict event of its last restore (None: no verdict recorded)."""
-    out: dict[int, Mapping[str, Any] | None] = {}
-    for record in records:
-        event = record.get("event")
-        if event == "restore":
-            step = record.get("step")
-            if isinstance(step, int) and not isinstance(step, bool):
-                out[step] = None
-        elif event in VERDICT_EVENTS:
-            step = record.get("restored_step")
-            if isinstance(step, int) and not isinstance(step, bool):
-                out[step] = record
-    return out
 
 
 _MARKERS: dict[str, tuple[str, str, str]] = {
