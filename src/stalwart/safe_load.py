@@ -14,15 +14,14 @@ Plain ``torch.distributed.checkpoint.load`` trusts it completely:
 Checksums in MANIFEST.json do not help: whoever can write the checkpoint can
 write a manifest that matches it.
 
-So this module reads ``.metadata`` with a restricted unpickler that can build
-only the handful of plain-data classes DCP writes there (torch 2.9 through 2.13
-write the same set), never lets a pickle change the state of a class or any
-other shared object, and checks the result's shape (including that every data
-file named in it lies inside the checkpoint directory) before anyone uses it.
-Non-tensor values go through ``torch.load(weights_only=True)``, torch's own
-restricted unpickler; a user who stores an object of their own class there
-allowlists it with ``torch.serialization.add_safe_globals``, knowingly. Tensor
-data was already read with ``weights_only=True`` by DCP itself.
+So ``.metadata`` is read by ``stalwart.dcp_metadata`` with a restricted
+unpickler that builds only DCP's plain-data classes and checks the result
+before anyone uses it (``read_dcp_metadata`` is re-exported here). This module
+owns the rest of a load: the reader, the planner and ``safe_load``. Non-tensor
+values go through ``torch.load(weights_only=True)``, torch's own restricted
+unpickler; a user who stores an object of their own class there allowlists it
+with ``torch.serialization.add_safe_globals``, knowingly. Tensor data was
+already read with ``weights_only=True`` by DCP itself.
 
 Public entry points: ``read_dcp_metadata``, ``tensor_table``, ``safe_load`` and,
 for callers that drive ``dcp.load`` themselves, ``SafeFileSystemReader`` plus
@@ -33,33 +32,27 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
-import pathlib
 import pickle
 import warnings
-from collections.abc import Callable, Iterator
-from typing import IO, Any, ClassVar, cast
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import (
-    _MEM_FORMAT_ENCODING,
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     StorageMeta,
-    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from stalwart.dcp_metadata import read_dcp_metadata, read_metadata_file
 from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -76,425 +69,6 @@ __all__ = [
     "safe_load",
     "tensor_table",
 ]
-
-_METADATA_FILE = ".metadata"
-_TAMPERED = "the file is not a genuine DCP metadata file or was tampered with"
-_MAX_NDIM = 64  # torch itself refuses tensors of more dimensions
-_MAX_KEY_PATH = 256  # parts of one planner_data key path: far deeper than any state dict
-
-# Classes whose fresh instances the pickle fills in (NEWOBJ then BUILD). These are
-# plain dataclasses; TensorProperties.__setstate__ only unpacks a tuple.
-_BUILDABLE: frozenset[type] = frozenset(
-    {
-        Metadata,
-        TensorStorageMetadata,
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        TensorProperties,
-        MetadataIndex,
-        StorageMeta,
-        _StorageInfo,
-    }
-)
-
-
-_LAYOUTS: dict[str, torch.layout] = {
-    str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)
-}
-
-
-def _layout_by_name(name: str) -> torch.layout:
-    # Stands in for torch.serialization._get_layout, which is what
-    # torch.layout pickles as: same answer, but its cache is a function attribute
-    # and ours is out of a pickle's reach, and nothing but a layout comes back.
-    if not isinstance(name, str) or name not in _LAYOUTS:
-        raise pickle.UnpicklingError(f"unknown torch.layout {name!r}")
-    return _LAYOUTS[name]
-
-
-def _mem_format_encoding(value: int) -> _MEM_FORMAT_ENCODING:
-    # The enum class itself is also Enum's functional API: called with more
-    # arguments it builds new classes. Only the one-argument lookup is needed.
-    return _MEM_FORMAT_ENCODING(value)
-
-
-def _path_classes() -> dict[tuple[str, str], Callable[..., pathlib.PurePath]]:
-    # StorageMeta.checkpoint_id is the Path the writer was given. Constructing a
-    # path touches no file. A path of the other OS family cannot be instantiated
-    # here, so it comes back as its pure counterpart, as a string would.
-    on_windows = os.name == "nt"
-    classes: dict[str, Callable[..., pathlib.PurePath]] = {
-        "PurePath": pathlib.PurePath,
-        "PurePosixPath": pathlib.PurePosixPath,
-        "PureWindowsPath": pathlib.PureWindowsPath,
-        "Path": pathlib.Path,
-        "PosixPath": pathlib.PurePosixPath if on_windows else pathlib.PosixPath,
-        "WindowsPath": pathlib.WindowsPath if on_windows else pathlib.PureWindowsPath,
-    }
-    # Python 3.13 (only) defines the classes in pathlib._local, and its pickles
-    # name that module.
-    return {
-        (module, name): cls
-        for module in ("pathlib", "pathlib._local")
-        for name, cls in classes.items()
-    }
-
-
-def _allowed_globals() -> dict[tuple[str, str], object]:
-    """Every global a DCP ``.metadata`` pickle may name, as (module, name) -> object.
-
-    Found by recording ``find_class`` while unpickling metadata that torch 2.13
-    wrote for models, Adam state, python values, bfloat16/bool/int64 and
-    channels-last tensors; torch 2.9's metadata.py and filesystem.py define and
-    pickle the same classes. Nothing here runs code when called: dataclass
-    constructors, ``torch.Size``, a layout lookup, an enum lookup, path
-    constructors, and dtype objects (not callable at all).
-    """
-    dcp_metadata = "torch.distributed.checkpoint.metadata"
-    allowed: dict[tuple[str, str], object] = {
-        (dcp_metadata, "Metadata"): Metadata,
-        (dcp_metadata, "TensorStorageMetadata"): TensorStorageMetadata,
-        (dcp_metadata, "BytesStorageMetadata"): BytesStorageMetadata,
-        (dcp_metadata, "ChunkStorageMetadata"): ChunkStorageMetadata,
-        (dcp_metadata, "TensorProperties"): TensorProperties,
-        (dcp_metadata, "MetadataIndex"): MetadataIndex,
-        (dcp_metadata, "StorageMeta"): StorageMeta,
-        (dcp_metadata, "_MEM_FORMAT_ENCODING"): _mem_format_encoding,
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-        ("torch", "Size"): torch.Size,
-        ("torch.serialization", "_get_layout"): _layout_by_name,
-    }
-    # A dtype pickles as the name of its torch attribute (torch.float32 ->
-    # "torch", "float32"). Taking them from torch keeps new dtypes loadable.
-    for name, value in vars(torch).items():
-        if isinstance(value, torch.dtype):
-            allowed["torch", name] = value
-    allowed.update(_path_classes())
-    return allowed
-
-
-_ALLOWED_GLOBALS = _allowed_globals()
-
-
-class _Refused(pickle.UnpicklingError):
-    """Raised inside the unpickler; turned into UnsafeCheckpointError with the file name."""
-
-
-class _MetadataUnpickler(pickle._Unpickler):
-    """The pure-python unpickler, restricted to DCP metadata.
-
-    The C unpickler only lets a subclass filter globals. That is not enough: its
-    BUILD opcode sets attributes on whatever object is on the stack, including an
-    allowed class itself, an enum member or a function, so a pickle could rewrite
-    ``Metadata`` or poison a cache for the rest of the process. The python one
-    lets BUILD be checked too, at about twice the cost.
-    """
-
-    stack: list[Any]  # set by pickle._Unpickler.load()
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _ALLOWED_GLOBALS[module, name]
-        except KeyError:
-            raise _Refused(f"refused to load global '{module}.{name}'") from None
-
-    def _load_build(self) -> None:
-        target = self.stack[-2]
-        if type(target) not in _BUILDABLE:
-            what = (
-                f"class {target.__module__}.{target.__qualname__}"
-                if isinstance(target, type)
-                else f"a {type(target).__module__}.{type(target).__qualname__} object"
-            )
-            raise _Refused(f"refused to set the state of {what}")
-        _BASE_BUILD(cast(pickle.Unpickler, self))
-
-    dispatch: ClassVar[dict[int, Callable[[pickle.Unpickler], None]]] = dict(
-        pickle._Unpickler.dispatch
-    )
-    dispatch[pickle.BUILD[0]] = cast(Callable[[pickle.Unpickler], None], _load_build)
-
-
-_BASE_BUILD = pickle._Unpickler.dispatch[pickle.BUILD[0]]
-
-
-def _unpickle_metadata(
-    stream: IO[bytes], size: int, where: str, file_size: Callable[[str], int]
-) -> Metadata:
-    # Read it whole first, and no more than the regular file's size: a crafted
-    # length field then asks an in-memory buffer for more than it has (a short
-    # read, "truncated"), not the file object, which would allocate the claimed
-    # size up front.
-    data = stream.read(size)
-    try:
-        obj = _MetadataUnpickler(io.BytesIO(data)).load()
-    except _Refused as exc:
-        raise UnsafeCheckpointError(
-            f"{where}: {exc} (only DCP metadata classes are allowed); {_TAMPERED}",
-            path=where,
-        ) from exc
-    except Exception as exc:
-        # Only inert constructors can run, so anything raised here (EOFError,
-        # UnpicklingError, KeyError from a bad memo index, TypeError, ...) means
-        # the bytes are not a well-formed metadata pickle.
-        raise CheckpointCorruptError(
-            f"{where}: not a readable DCP metadata file (truncated or not a pickle: "
-            f"{type(exc).__name__}: {exc})",
-            path=where,
-        ) from exc
-    return _check_bounds(_check_structure(obj, where), where, file_size)
-
-
-def _is_plain_file_name(name: object) -> bool:
-    # FileSystemReader joins this onto the checkpoint directory; "../x" or an
-    # absolute path would read any file on the machine into the loaded tensors.
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and not any(c in name for c in "/\\:\0")
-    )
-
-
-def _check_structure(obj: object, where: str) -> Metadata:
-    # A pickle of allowed classes can still hold anything in any field; check what
-    # DCP and tensor_table rely on so a bad file fails here, with its name.
-    def bad(what: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(f"{where}: not valid DCP metadata: {what}", path=where)
-
-    if type(obj) is not Metadata:
-        raise bad(f"top-level object is {type(obj).__qualname__}, expected Metadata")
-    entries = getattr(obj, "state_dict_metadata", None)
-    if not isinstance(entries, dict):
-        raise bad("state_dict_metadata is not a dict")
-    for fqn, entry in entries.items():
-        if not isinstance(fqn, str):
-            raise bad(f"state_dict_metadata key {fqn!r} is not a string")
-        if type(entry) is BytesStorageMetadata:
-            continue
-        if type(entry) is not TensorStorageMetadata:
-            raise bad(f"entry {fqn!r} is {type(entry).__qualname__}")
-        properties = getattr(entry, "properties", None)
-        chunks = getattr(entry, "chunks", None)
-        if (
-            type(properties) is not TensorProperties
-            or not isinstance(getattr(properties, "dtype", None), torch.dtype)
-            or type(getattr(entry, "size", None)) is not torch.Size
-            or not isinstance(chunks, list)
-            or not all(
-                type(chunk) is ChunkStorageMetadata
-                and type(getattr(chunk, "offsets", None)) is torch.Size
-                and type(getattr(chunk, "sizes", None)) is torch.Size
-                for chunk in chunks
-            )
-        ):
-            raise bad(f"tensor entry {fqn!r} lacks a dtype, size or chunk list")
-    storage = getattr(obj, "storage_data", None)
-    if not isinstance(storage, dict):
-        raise bad("storage_data is not a dict")
-    for index, info in storage.items():
-        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
-            raise bad("storage_data does not map MetadataIndex to _StorageInfo")
-        relative_path = getattr(info, "relative_path", None)
-        if not _is_plain_file_name(relative_path):
-            raise UnsafeCheckpointError(
-                f"{where}: data of {index.fqn!r} is said to be in {relative_path!r}, "
-                f"which is not a file name inside the checkpoint directory; {_TAMPERED}",
-                path=where,
-            )
-        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-            raise bad(f"data of {index.fqn!r} has offset {offset!r}, length {length!r}")
-        descriptors = getattr(info, "transform_descriptors", None)
-        if descriptors is not None and not (
-            isinstance(descriptors, (list, tuple)) and all(isinstance(d, str) for d in descriptors)
-        ):
-            raise bad(f"data of {index.fqn!r} has transform_descriptors {descriptors!r}")
-    storage_meta = getattr(obj, "storage_meta", None)
-    if storage_meta is not None and type(storage_meta) is not StorageMeta:
-        raise bad(f"storage_meta is {type(storage_meta).__qualname__}")
-    return obj
-
-
-def _check_bounds(metadata: Metadata, where: str, file_size: Callable[[str], int]) -> Metadata:
-    """Every number in ``metadata`` against the others and the data files' real sizes.
-
-    Whoever can write a checkpoint can build metadata from allowed classes alone:
-    a tensor of negative size or of 2**40 elements, a chunk outside its tensor,
-    data past the end of its file, a planner_data index that makes a list of a
-    trillion entries. Anything that could make a reader allocate more than the
-    checkpoint holds, or index out of range, fails here as ``CheckpointCorruptError``.
-    ``file_size(name)`` is a data file's size (raising CheckpointCorruptError
-    for a missing, linked or non-regular file).
-    """
-
-    def bad(what: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(f"{where}: not valid DCP metadata: {what}", path=where)
-
-    sizes: dict[str, int] = {}
-    stored: dict[tuple[str, tuple[int, ...] | None], _StorageInfo] = {}
-    for index, info in metadata.storage_data.items():
-        offset = index.offset
-        if type(index.fqn) is not str or not (offset is None or _is_shape(offset)):
-            raise bad(f"storage index {index.fqn!r} at {offset!r} is malformed")
-        name = info.relative_path
-        if name not in sizes:
-            sizes[name] = file_size(name)
-        if info.offset + info.length > sizes[name]:
-            raise bad(
-                f"data of {index.fqn!r} is bytes {info.offset}..{info.offset + info.length} "
-                f"of {name}, which has {sizes[name]} bytes"
-            )
-        stored[index.fqn, None if offset is None else tuple(offset)] = info
-    # Data of the whole checkpoint: what a reader may allocate for its tensors.
-    budget = sum(sizes.values())
-    wanted = 0
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):
-            continue
-        wanted += _tensor_bytes(fqn, entry, stored, bad)
-        if wanted > budget:
-            raise bad(
-                f"its tensors (up to {fqn!r}) need {wanted} bytes, more than the "
-                f"{budget} bytes of data the checkpoint holds"
-            )
-    _check_planner_data(metadata.planner_data, len(metadata.state_dict_metadata), bad)
-    return metadata
-
-
-def _is_shape(value: object) -> bool:
-    return (
-        type(value) is torch.Size
-        and len(value) <= _MAX_NDIM
-        and all(type(d) is int and d >= 0 for d in value)
-    )
-
-
-def _tensor_bytes(
-    fqn: str,
-    entry: TensorStorageMetadata,
-    stored: dict[tuple[str, tuple[int, ...] | None], _StorageInfo],
-    bad: Callable[[str], CheckpointCorruptError],
-) -> int:
-    """Bytes of the whole tensor ``fqn``, once its shape and chunks are proven consistent."""
-    size = entry.size
-    if not _is_shape(size):
-        raise bad(f"tensor {fqn!r} has size {_short(size)}")
-    itemsize = entry.properties.dtype.itemsize
-    numel = math.prod(size)
-    in_chunks = 0
-    for chunk in entry.chunks:
-        offsets, lengths = chunk.offsets, chunk.sizes
-        if not (_is_shape(offsets) and _is_shape(lengths)) or not (
-            len(offsets) == len(lengths) == len(size)
-            and all(o + n <= d for o, n, d in zip(offsets, lengths, size, strict=True))
-        ):
-            raise bad(
-                f"tensor {fqn!r} of size {list(size)} has a chunk at {_short(offsets)} of "
-                f"size {_short(lengths)}, not inside it"
-            )
-        info = stored.get((fqn, tuple(offsets)))
-        if info is None:
-            raise bad(f"tensor {fqn!r} has no stored data for its chunk at {list(offsets)}")
-        chunk_numel = math.prod(lengths)
-        if not info.transform_descriptors and chunk_numel * itemsize > info.length:
-            raise bad(
-                f"tensor {fqn!r}'s chunk at {list(offsets)} needs {chunk_numel * itemsize} "
-                f"bytes, but its stored data has {info.length}"
-            )
-        in_chunks += chunk_numel
-    if in_chunks > numel:
-        raise bad(f"tensor {fqn!r} has {in_chunks} elements in its chunks, but only {numel}")
-    return numel * itemsize
-
-
-def _check_planner_data(
-    planner_data: object, entries: int, bad: Callable[[str], CheckpointCorruptError]
-) -> None:
-    # DCP unflattens the loaded values along these key paths (set_element), and
-    # an integer part becomes a list index: list positions are filled up to it.
-    if planner_data is None:
-        return
-    if not isinstance(planner_data, dict):
-        raise bad(f"planner_data is a {type(planner_data).__qualname__}, expected a dict")
-    for key, path in planner_data.items():
-        if not (
-            isinstance(key, str)
-            and isinstance(path, (tuple, list))
-            and 0 < len(path) <= _MAX_KEY_PATH
-            and all(
-                type(part) is str or (type(part) is int and 0 <= part < entries) for part in path
-            )
-        ):
-            raise bad(
-                f"planner_data maps {_short(key)} to {_short(path)}; expected a key path "
-                f"of strings and list indices below {entries}"
-            )
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _file_sizes(directory: str) -> Callable[[str], int]:
-    """Sizes of the data files in ``directory``, read without following links."""
-
-    def size_of(name: str) -> int:
-        where = os.path.join(directory, name)
-        try:
-            with open_checkpoint_file(directory, name) as (_stream, size):
-                return size
-        except FileNotFoundError as exc:
-            raise CheckpointCorruptError(
-                f"{where}: missing (named by the DCP metadata)", path=where
-            ) from exc
-        except OSError as exc:
-            raise CheckpointCorruptError(
-                f"{where}: cannot read ({exc.strerror or exc})", path=where, transient=True
-            ) from exc
-
-    return size_of
-
-
-def _read_metadata_file(directory: str, name: str) -> Metadata:
-    where = os.path.join(directory, name)
-    try:
-        with open_checkpoint_file(directory, name) as (stream, size):
-            return _unpickle_metadata(stream, size, where, _file_sizes(directory))
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise CheckpointCorruptError(
-            f"{where}: cannot read ({exc.strerror or exc})", path=where, transient=True
-        ) from exc
-
-
-def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
-    """Read a DCP checkpoint's ``.metadata`` without running code from it.
-
-    ``path`` is the checkpoint directory or the metadata file itself (also a
-    rank-local ``__<rank>.metadata``). Returns the ``Metadata`` exactly as stored:
-    unlike ``FileSystemReader.read_metadata`` it does not fill in ``storage_meta``
-    or a ``load_id``. Callable from any rank or thread; reads one file.
-
-    Raises ``UnsafeCheckpointError`` for a pickle naming anything but DCP's
-    metadata classes (or trying to modify one), ``CheckpointCorruptError`` for a
-    truncated or garbage file, ``CheckpointNotFoundError`` when there is none.
-    """
-    file = os.fspath(path)
-    if os.path.isdir(file):
-        file = os.path.join(file, _METADATA_FILE)
-    try:
-        return _read_metadata_file(os.path.dirname(file) or ".", os.path.basename(file))
-    except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(
-            f"{file}: no DCP metadata file (is {os.fspath(path)} a DCP checkpoint directory?)"
-        ) from exc
-    except OSError as exc:
-        # EIO and friends: the file may be fine; restore falls back without moving it aside.
-        raise CheckpointCorruptError(
-            f"{file}: cannot read ({exc.strerror or exc})", path=file, transient=True
-        ) from exc
 
 
 class _NoFollowFileSystem(FileSystem):
@@ -563,7 +137,7 @@ class SafeFileSystemReader(FileSystemReader):
         where = os.fspath(path)
         try:
             try:
-                return _read_metadata_file(os.path.dirname(where), os.path.basename(where))
+                return read_metadata_file(os.path.dirname(where), os.path.basename(where))
             except FileNotFoundError as exc:
                 raise CheckpointNotFoundError(f"{where}: no DCP metadata file") from exc
         except StalwartError as exc:
