@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, SequentialSampler
 
 from stalwart.rng import capture_rng_state, restore_rng_state
+from stalwart.loader import ResumableDataLoader
 from stalwart.sampler import (
-    ResumableDataLoader,
     ResumableSampler,
     SeededDataset,
     SeededSampler,

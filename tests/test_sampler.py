@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data.distributed import DistributedSampler
 
+from stalwart.loader import ResumableDataLoader
 from stalwart.sampler import (
-    ResumableDataLoader,
     ResumableSampler,
     SeededDataset,
     SeededSampler,

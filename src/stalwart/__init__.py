@@ -26,8 +26,9 @@ from stalwart.errors import (
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
+from stalwart.loader import ResumableDataLoader
 from stalwart.manager import CheckpointManager
-from stalwart.sampler import ResumableDataLoader, ResumableSampler
+from stalwart.sampler import ResumableSampler
 from stalwart.state import TrainState
 from stalwart.storage.remote import RetryPolicy
 

@@ -56,8 +56,9 @@ import torch
 import xxhash
 
 from stalwart.layout import FINGERPRINT_DIR
-from stalwart.rng import _cuda_in_use, _numpy
-from stalwart.sampler import ResumableDataLoader, ResumableSampler
+from stalwart.loader import ResumableDataLoader
+from stalwart.rng import cuda_in_use, numpy_module
+from stalwart.sampler import ResumableSampler
 
 __all__ = [
     "FINGERPRINT_DIR",
@@ -95,10 +96,10 @@ def rng_digest() -> str:
     _, internal, gauss_next = random.getstate()
     h.update(hash(internal).to_bytes(8, "little", signed=True))
     h.update(repr(gauss_next).encode())
-    np = _numpy()
+    np = numpy_module()
     if np is not None:
         h.update(_numpy_state_bytes(np))
-    if _cuda_in_use():
+    if cuda_in_use():
         for state in torch.cuda.get_rng_state_all():
             h.update(state.numpy().tobytes())
     return h.hexdigest()

@@ -47,7 +47,7 @@ _MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 
 
 @functools.cache
-def _numpy() -> ModuleType | None:
+def numpy_module() -> ModuleType | None:
     """numpy when it is installed, imported on first use only (it is an optional dependency)."""
     try:
         import numpy
@@ -56,7 +56,8 @@ def _numpy() -> ModuleType | None:
     return numpy
 
 
-def _cuda_in_use() -> bool:
+def cuda_in_use() -> bool:
+    """True when this process has CUDA available and has already initialised it."""
     # `is_initialized` keeps capture from creating a CUDA context in a process that
     # never used CUDA (a DataLoader worker, a CPU-only run on a GPU host).
     initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # untyped in torch
@@ -79,9 +80,9 @@ def capture_rng_state() -> dict[str, Any]:
         "version": _FORMAT_VERSION,
         "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
         "torch": torch.get_rng_state(),
-        "cuda": list(torch.cuda.get_rng_state_all()) if _cuda_in_use() else [],
+        "cuda": list(torch.cuda.get_rng_state_all()) if cuda_in_use() else [],
     }
-    np = _numpy()
+    np = numpy_module()
     if np is not None:
         name, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
         state["numpy"] = {
@@ -134,7 +135,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def _restore_numpy(section: Mapping[str, Any] | None) -> None:
-    np = _numpy()
+    np = numpy_module()
     if section is None:
         if np is not None:
             logger.warning(
@@ -161,7 +162,7 @@ def _restore_numpy(section: Mapping[str, Any] | None) -> None:
 
 def _restore_cuda(saved: list[torch.Tensor]) -> None:
     here = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if not saved and not _cuda_in_use():
+    if not saved and not cuda_in_use():
         return  # neither side used CUDA
     if len(saved) != here:
         logger.warning(
@@ -206,7 +207,7 @@ _CpuRngState = tuple[tuple[Any, ...], Any, torch.Tensor]
 
 
 def _save_cpu_rng() -> _CpuRngState:
-    np = _numpy()
+    np = numpy_module()
     return (
         random.getstate(),
         np.random.get_state(legacy=True) if np is not None else None,
@@ -216,7 +217,7 @@ def _save_cpu_rng() -> _CpuRngState:
 
 def _seed_cpu_rng(seed: int) -> None:
     random.seed(seed & _MASK64)
-    np = _numpy()
+    np = numpy_module()
     if np is not None:
         np_seed = derive_seed(_NUMPY_TAG, seed)
         np.random.seed([np_seed & _MASK32, np_seed >> 32])
@@ -228,7 +229,7 @@ def _seed_cpu_rng(seed: int) -> None:
 def _restore_cpu_rng(saved: _CpuRngState) -> None:
     py, nps, th = saved
     random.setstate(py)
-    np = _numpy()
+    np = numpy_module()
     if np is not None and nps is not None:
         np.random.set_state(nps)
     torch.default_generator.set_state(th)
