@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, SequentialSampler
 
-from stalwart.rng import capture_rng_state, restore_rng_state
 from stalwart.loader import ResumableDataLoader
+from stalwart.rng import capture_rng_state, restore_rng_state
 from stalwart.sampler import (
     ResumableSampler,
     SeededDataset,

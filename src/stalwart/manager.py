@@ -42,10 +42,11 @@ from stalwart.pipeline import (
 )
 from stalwart.policy import RetentionPolicy, SavePolicy
 from stalwart.progress import progress_bar
+from stalwart.redact import redact_url
 from stalwart.state import TrainState
 from stalwart.storage.durable import DurableTier
 from stalwart.storage.local import LocalStorage, step_dir_name
-from stalwart.storage.remote import RetryPolicy, is_url, redact_url
+from stalwart.storage.remote import RetryPolicy, is_url
 from stalwart.upload import Uploader
 
 __all__ = ["CheckpointManager"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import stalwart
-from stalwart.storage.remote import redact_text, redact_url, url_secrets
+from stalwart.redact import redact_text, redact_url, url_secrets
 
 from ..conftest import cli, make_parts
 

@@ -55,8 +55,8 @@ from stalwart.errors import DurableStoreError, RunLockedError
 from stalwart.events import EventLog
 from stalwart.layout import EVENTS_NAME, LOCK_NAME
 from stalwart.lock import RunLock, lock_file_problem, read_lock_holder
+from stalwart.redact import redact_url
 from stalwart.storage.durable import DurableTier
-from stalwart.storage.remote import redact_url
 
 __all__ = ["add_parser", "collect_garbage", "collect_store_garbage", "run"]
 

@@ -38,8 +38,8 @@ from stalwart.cli.common import (
 )
 from stalwart.errors import DurableStoreError
 from stalwart.history import DurableHistory, RunHistory
+from stalwart.redact import redact_url
 from stalwart.storage.durable import DurableTier
-from stalwart.storage.remote import redact_url
 
 __all__ = ["add_parser", "list_run", "list_store", "run"]
 

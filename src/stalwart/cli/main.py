@@ -6,7 +6,7 @@ recursion errors a hostile file could provoke) a command raises; exit statuses
 are 0 (good), 1 (a checkpoint is bad), 2 (usage error), as each ``--help`` says.
 
 Everything the CLI prints, on stdout and stderr, passes through
-``stalwart.storage.remote.redact_text``: credentials in URLs (``s3://KEY:SECRET@``,
+``stalwart.redact.redact_text``: credentials in URLs (``s3://KEY:SECRET@``,
 ``KEY:SECRET@bucket``), signed query parameters, and the user and password parts
 of any URL on the command line, wherever they show up again.
 """
@@ -37,7 +37,7 @@ from stalwart.cli import (
 )
 from stalwart.cli.common import EXIT_BAD, EXIT_USAGE, UsageError
 from stalwart.errors import StalwartError
-from stalwart.storage.remote import redact_text, url_secrets
+from stalwart.redact import redact_text, url_secrets
 
 __all__ = ["build_parser", "main"]
 
