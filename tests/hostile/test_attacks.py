@@ -9,6 +9,7 @@ UnsupportedFormatError out of ``restore()``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,39 @@ def test_durable_copy_with_a_hostile_manifest_falls_back(
         assert ckpt.restore(make_parts().state) == 3
     skips = [e for e in read_events(run) if e.get("event") == "restore_skipped"]
     assert [(e["step"], e["source"]) for e in skips] == [(4, "durable")], skips
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo"])
+def test_durable_manifest_that_is_a_device_or_fifo_is_refused_without_hanging(
+    pristine: Pristine, tmp_path: Path, kind: str
+) -> None:
+    """A store-side MANIFEST.json linked to /dev/zero, or a FIFO, in a file:// tier:
+    restore neither reads forever nor waits for a writer; it falls back."""
+    run = fresh_copy(pristine, tmp_path / "local")
+    store = tmp_path / "store"
+    with stalwart.CheckpointManager(
+        run, keep_last=None, handle_signals=False, durable=f"file://{store}"
+    ) as ckpt:
+        ckpt.restore(make_parts().state)
+        assert ckpt.save(4, make_parts().state, force=True)
+        ckpt.wait()
+    remote = store / "step_000000004" / "MANIFEST.json"
+    assert remote.is_file()
+    remote.unlink()
+    if kind == "fifo":
+        os.mkfifo(remote)
+    else:
+        remote.symlink_to("/dev/zero")
+    shutil.rmtree(run / "step_000000004")
+    with stalwart.CheckpointManager(
+        run, keep_last=None, handle_signals=False, durable=f"file://{store}"
+    ) as ckpt:
+        assert ckpt.restore(make_parts().state) == 3
+    # Read directly too (as ls, gc and the upload's commit check do): refused, not retried.
+    with pytest.raises(stalwart.DurableStoreError, match="not a regular file") as info:
+        DurableTier(f"file://{store}").read_manifest(4)
+    assert not info.value.transient
 
 
 def test_inspect_and_export_refuse_a_step_under_another_name(

@@ -184,7 +184,7 @@ class DurableTier:
         """The exact MANIFEST.json of ``step``; FileNotFoundError when it is not committed."""
         key = f"{step_dir_name(step)}/{MANIFEST_NAME}"
         return self._retrying(  # type: ignore[no-any-return]
-            lambda: self.client.get_bytes(key), f"read {self.url}/{key}"
+            lambda: self.client.get_bytes(key, limit=MAX_MANIFEST_BYTES), f"read {self.url}/{key}"
         )
 
     def read_manifest(self, step: int) -> Manifest:
@@ -325,7 +325,7 @@ class DurableTier:
         key = f"{step_dir_name(step)}/{MANIFEST_NAME}"
         try:
             existing = self._retrying(
-                lambda: self.client.get_bytes(key),
+                lambda: self.client.get_bytes(key, limit=MAX_MANIFEST_BYTES),
                 f"read {key} from {self.url}",
                 on_retry=on_retry,
             )

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import os
 import random
 import re
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -115,7 +117,7 @@ class ObjectClient(Protocol):
 
     def put_chunks(self, key: str, chunks: Iterable[bytes]) -> None: ...
 
-    def get_bytes(self, key: str) -> bytes: ...
+    def get_bytes(self, key: str, *, limit: int | None = None) -> bytes: ...
 
     def get_range(self, key: str, start: int, end: int) -> bytes | memoryview: ...
 
@@ -326,10 +328,18 @@ class ObstoreClient:
             ),
         )
 
-    def get_bytes(self, key: str) -> bytes:
-        return self._call(
-            f"get {key} from", lambda: bytes(self._obstore.get(self._store, key).bytes())
-        )
+    def get_bytes(self, key: str, *, limit: int | None = None) -> bytes:
+        """The object's bytes; with ``limit``, at most ``limit + 1`` of them (a caller
+        that gets more than ``limit`` knows the object is too large)."""
+
+        def run() -> bytes:
+            result = self._obstore.get(self._store, key)
+            size = int(result.meta["size"])
+            if limit is None or size <= limit:
+                return bytes(result.bytes())
+            return bytes(self._obstore.get_range(self._store, key, start=0, end=limit + 1))
+
+        return self._call(f"get {key} from", run)
 
     def get_range(self, key: str, start: int, end: int) -> bytes | memoryview:
         # obstore's buffer, not a copy of it: the caller writes it straight to disk.
@@ -456,8 +466,20 @@ class FsspecClient:
         path = self._path(key)
         self._call(f"upload {key} to", lambda: self._write(path, chunks, create_only=False))
 
-    def get_bytes(self, key: str) -> bytes:
-        return self._call(f"get {key} from", lambda: bytes(self._fs.cat_file(self._path(key))))
+    def get_bytes(self, key: str, *, limit: int | None = None) -> bytes:
+        """The object's bytes; with ``limit``, at most ``limit + 1`` of them.
+
+        Read through an open file rather than the listed size: on a local or
+        mounted filesystem the object may be a link to ``/dev/zero`` or a FIFO.
+        """
+
+        def run() -> bytes:
+            if self._local:
+                return _read_local_object(self._path(key), limit)
+            with self._fs.open(self._path(key), "rb") as f:
+                return bytes(f.read() if limit is None else f.read(limit + 1))
+
+        return self._call(f"get {key} from", run)
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self._call(
@@ -504,6 +526,24 @@ def _mtime(info: Mapping[str, Any]) -> float:
             except ValueError:
                 continue
     return time.time()
+
+
+def _read_local_object(path: str, limit: int | None) -> bytes:
+    """A local store's object, read without following a link and only if it is a
+    regular file: a link to ``/dev/zero`` or a FIFO in the store never hangs the
+    reader. Anything else is a ``PermissionError`` (refused, not retried)."""
+    refused = "not a regular file; stalwart never reads links, FIFOs or devices in a store"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):
+            raise PermissionError(errno.EPERM, refused, path) from None
+        raise
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PermissionError(errno.EPERM, refused, path)
+        os.set_blocking(fd, True)
+        return f.read() if limit is None else f.read(limit + 1)
 
 
 def is_url(value: object) -> bool:
