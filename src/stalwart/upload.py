@@ -1,7 +1,8 @@
 """Background copies of committed checkpoints to the durable tier.
 
 One thread per manager (on the rank that commits) takes committed steps from a
-queue and uploads them with ``DurableTier.upload``, oldest first. Training never
+queue and uploads them with ``DurableMirror.upload`` (``storage.base``), oldest
+first, reading them from the primary tier through ``CheckpointStorage``. Training never
 waits for it: ``save`` only enqueues. While the store is down the thread keeps
 retrying with backoff; the manager's local retention asks ``protected()`` and
 never deletes a checkpoint that is queued or being uploaded. At most
@@ -32,8 +33,7 @@ from stalwart.errors import (
 from stalwart.events import EventLog
 from stalwart.manifest import MANIFEST_NAME
 from stalwart.policy import RetentionPolicy
-from stalwart.storage.durable import DurableTier
-from stalwart.storage.local import LocalStorage
+from stalwart.storage.base import CheckpointStorage, DurableMirror
 
 __all__ = ["Uploader"]
 
@@ -43,8 +43,8 @@ class Uploader:
 
     def __init__(
         self,
-        tier: DurableTier,
-        local: LocalStorage,
+        tier: DurableMirror,
+        local: CheckpointStorage,
         events: EventLog,
         *,
         retention: RetentionPolicy,
