@@ -17,17 +17,13 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
-import torch
-
 from stalwart.certificate import Certificate, Verdict
 from stalwart.distributed import Coordinator, RankError
 from stalwart.errors import (
     CheckpointCorruptError,
-    CheckpointNotFoundError,
     CheckpointSaveError,
     CoordinationError,
     StalwartError,
-    UnsupportedFormatError,
 )
 from stalwart.events import EVENTS_NAME, EventLog
 from stalwart.lock import RunLock
@@ -37,12 +33,12 @@ from stalwart.pipeline import (
     OpenedSave,
     SaveResult,
     StagingArea,
-    load_checkpoint,
     open_save,
     write_and_commit,
 )
 from stalwart.policy import RetentionPolicy, SavePolicy
 from stalwart.provenance import Provenance
+from stalwart.restoring import RestoreWalk, warn_if_ddp_resume_inexact
 from stalwart.retention import apply_retention
 from stalwart.signals import PreemptionSignals
 from stalwart.state import TrainState
@@ -542,88 +538,23 @@ class CheckpointManager:
             raise
 
     def _restore(self, state: TrainState, *, step: int | None, strict: bool) -> int | None:
-        # The leader lists both tiers once, so every rank walks the same candidates.
-        entries = self.storage.scan()
-        local = [e.step for e in entries if e.status == "committed" and e.step is not None]
-        remote = [] if self._tiers is None else self._tiers.committed_steps()
-        local, remote = self._coord.broadcast((local, remote))
-        committed = sorted(set(local) | set(remote))
-        if step is not None:
-            if step not in committed:
-                shown = ", ".join(map(str, committed[-10:])) or "none"
-                where = str(self.directory) + (
-                    f" or {self.durable_url}" if self.durable_url else ""
-                )
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint of step {step} in {where} (committed steps: {shown})"
-                )
-            candidates = [step]
-        else:
-            candidates = sorted(committed, reverse=True)
-        last_error: CheckpointCorruptError | None = None
-        for candidate in candidates:
-            sources = (["local"] if candidate in local else []) + (
-                ["durable"] if candidate in remote else []
-            )
-            for source in sources:
-                t0 = time.perf_counter()
-                try:
-                    if source == "durable":
-                        self._download(candidate)
-                    manifest = load_checkpoint(
-                        self.storage.step_path(candidate),
-                        state,
-                        strict=strict,
-                        coordinator=self._coord,
-                    )
-                except CheckpointCorruptError as exc:
-                    last_error = exc
-                    self._skip_bad(candidate, source, exc)
-                    continue
-                except UnsupportedFormatError as exc:
-                    # An intact checkpoint of a newer stalwart: not ours to move aside,
-                    # and not a reason to stop the run; restore(step=N) of it raises.
-                    if step is not None:
-                        raise
-                    self.events.emit(
-                        "restore_skipped",
-                        logging.WARNING,
-                        step=candidate,
-                        source=source,
-                        reason=str(exc),
-                        file=None,
-                    )
-                    continue
-                elapsed = time.perf_counter() - t0
-                newer = [s for s in committed if s > candidate]
-                self.resharded = manifest.world_size != self.world_size
-                # Exactness is the certificate's verdict (resume_verified /
-                # resume_diverged) once the redone steps are compared, never claimed here.
-                self.events.emit(
-                    "restore",
-                    step=candidate,
-                    source=source,
-                    seconds=round(elapsed, 6),
-                    bytes=manifest.total_bytes,
-                    saved_world_size=manifest.world_size,
-                    world_size=self.world_size,
-                    same_world_size=not self.resharded,
-                    newer_steps=newer,
-                )
-                self._certificate.expect(candidate)
-                self._warn_if_ddp_resume_inexact(state)
-                self._last_save_time = time.monotonic()
-                self._last_saved_step = candidate
-                return candidate
-            if step is not None and last_error is not None:
-                raise last_error
-        incomplete = [e.name for e in entries if e.status == "incomplete"]
-        self.events.emit(
-            "restore_none",
-            reason="no committed checkpoint verified" if candidates else "no committed checkpoint",
-            incomplete=incomplete,
+        walk = RestoreWalk(
+            self.storage,
+            self._coord,
+            self.events,
+            tiers=self._tiers,
+            directory=self.directory,
+            durable_url=self.durable_url,
         )
-        return None
+        restored = walk.run(state, step=step, strict=strict)
+        if restored is None:
+            return None
+        self.resharded = restored.resharded
+        self._certificate.expect(restored.step)
+        warn_if_ddp_resume_inexact(self.events, state, self.world_size)
+        self._last_save_time = time.monotonic()
+        self._last_saved_step = restored.step
+        return restored.step
 
     # ------------------------------------------------------------ certificate
 
@@ -658,74 +589,6 @@ class CheckpointManager:
             message += f"; the checkpoint of step {step} was not written"
         self.events.emit("save_failed", logging.ERROR, step=step, error=message)
         return CheckpointSaveError(message)
-
-    def _skip_bad(self, candidate: int, source: str, exc: CheckpointCorruptError) -> None:
-        self.events.emit(
-            "restore_skipped",
-            logging.WARNING,
-            step=candidate,
-            source=source,
-            reason=str(exc),
-            file=exc.path,
-        )
-        if not self.is_leader or exc.transient or not self.storage.step_path(candidate).exists():
-            return
-        # Definitely bad content (not a transient read error): move the local copy aside
-        # so retention, a download of the durable copy and later saves are not confused.
-        try:
-            aside = self.storage.quarantine(candidate)
-        except OSError as move_exc:
-            # Falling back matters more than tidying up: keep going.
-            self.events.emit(
-                "quarantine_failed", logging.WARNING, step=candidate, error=str(move_exc)
-            )
-        else:
-            self.events.emit("quarantine", step=candidate, path=str(aside))
-
-    def _download(self, step: int) -> None:
-        """Rank 0 fetches ``step`` from the durable tier into the local tier; all ranks agree."""
-
-        def fetch() -> None:
-            if self._tiers is None:
-                return
-            try:
-                self._tiers.download(step)
-            except CheckpointCorruptError:
-                raise
-            except (StalwartError, OSError) as exc:
-                raise CheckpointCorruptError(
-                    f"download from {self.durable_url} failed: {exc}", transient=True
-                ) from exc
-
-        self._coord.agree(
-            fetch,
-            catch=(CheckpointCorruptError,),
-            remote=lambda rep: CheckpointCorruptError(
-                rep.message, path=rep.path, transient=rep.transient
-            ),
-        )
-
-    def _warn_if_ddp_resume_inexact(self, state: TrainState) -> None:
-        model = state.model
-        if not (
-            isinstance(model, torch.nn.parallel.DistributedDataParallel)
-            and self.world_size >= 3
-            and not model.find_unused_parameters
-        ):
-            return
-        # DDP regroups gradient buckets after its first iteration; a resumed process
-        # all-reduces its first step with the initial grouping, and with 3+ ranks the
-        # summation order (so the last bits) differs from the uninterrupted run.
-        self.events.emit(
-            "warning",
-            logging.WARNING,
-            reason=(
-                "DDP with 3 or more ranks resumes bit-exactly only with "
-                "DistributedDataParallel(..., find_unused_parameters=True), which keeps "
-                "the initial gradient buckets; without it the first steps after a resume "
-                "differ in the last bits (see docs/distributed.md)"
-            ),
-        )
 
     # -------------------------------------------------------------- lifecycle
 

@@ -52,7 +52,9 @@ class Uploader:
         on_durable: Callable[[], None] | None = None,
     ) -> None:
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"durable_max_pending must be a positive integer, got {max_pending!r}")
+            raise ValueError(
+                f"DurableConfig.max_pending must be a positive integer, got {max_pending!r}"
+            )
         self.tier = tier
         self.local = local
         self.events = events
@@ -87,7 +89,7 @@ class Uploader:
                     step=dropped,
                     reason=(
                         f"the durable tier is behind ({len(self._pending)} newer checkpoints "
-                        f"waiting, durable_max_pending={self.max_pending}); a newer one will be "
+                        f"waiting, DurableConfig.max_pending={self.max_pending}); a newer one will be "
                         "uploaded instead"
                     ),
                 )
