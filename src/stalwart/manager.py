@@ -9,7 +9,6 @@ primary tier behind ``storage.base.CheckpointStorage``, the durable tier in
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -18,7 +17,7 @@ from types import TracebackType
 from typing import Any
 
 from stalwart.certificate import Certificate, Verdict
-from stalwart.distributed import Coordinator, RankError
+from stalwart.distributed import Coordinator
 from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointSaveError,
@@ -28,18 +27,10 @@ from stalwart.errors import (
 from stalwart.events import EVENTS_NAME, EventLog
 from stalwart.lock import RunLock
 from stalwart.manifest import to_json_data
-from stalwart.pipeline import (
-    AsyncSaver,
-    OpenedSave,
-    SaveResult,
-    StagingArea,
-    open_save,
-    write_and_commit,
-)
 from stalwart.policy import RetentionPolicy, SavePolicy
 from stalwart.provenance import Provenance
 from stalwart.restoring import RestoreWalk, warn_if_ddp_resume_inexact
-from stalwart.retention import apply_retention
+from stalwart.saving import SaveWriter, peer_failure
 from stalwart.signals import PreemptionSignals
 from stalwart.state import TrainState
 from stalwart.storage.base import CheckpointStorage
@@ -169,12 +160,17 @@ class CheckpointManager:
             self.directory / EVENTS_NAME if self.is_leader else None, rank=self.rank
         )
         self._certificate = Certificate(self.directory, rank=self.rank, world_size=self.world_size)
-        self._saver = AsyncSaver() if async_save else None
-        self._staging = StagingArea()
+        self._writer = SaveWriter(
+            self.storage,
+            self._coord,
+            self.events,
+            self._provenance,
+            retention=self.retention,
+            async_coord=self._async_coord,
+        )
+        self._saver = self._writer.background
         self.async_save = async_save
         self._closed = False
-        self._last_save_time = time.monotonic()
-        self._last_saved_step: int | None = None
         self.resharded: bool | None = None
         """After ``restore``: True when the checkpoint was written at another world size."""
         self._signals = PreemptionSignals()
@@ -205,8 +201,9 @@ class CheckpointManager:
                 retention=self.durable_retention,
                 durable_steps=durable_steps,
                 down=down,
-                on_durable=self._apply_retention,
+                on_durable=self._writer.apply_retention,
             )
+            self._writer.tiers = self._tiers
 
     # ------------------------------------------------------------------ setup
 
@@ -289,7 +286,7 @@ class CheckpointManager:
         """
         if self._preempted or self._signals.is_set():
             return True
-        since = time.monotonic() - self._last_save_time
+        since = time.monotonic() - self._writer.last_save_time
         return self.save_policy.due(step, seconds_since_last=since)
 
     # ------------------------------------------------------------------- save
@@ -340,7 +337,7 @@ class CheckpointManager:
             signalled, due, upload_failed = (bool(v) for v in reduced[:3])
             self._settle_certificate(*reduced[3:])
         except CoordinationError as exc:
-            raise self._peer_failure(step if due_here else None, exc) from None
+            raise peer_failure(self.events, step if due_here else None, exc) from None
         if upload_failed:
             # Every rank stops here together; rank 0 has the reason.
             if uploader is not None:
@@ -353,155 +350,7 @@ class CheckpointManager:
         self._preempted = self._preempted or signalled
         if not (due or emergency):
             return False
-        if self._saver is not None:
-            # At most one save in flight: wait for the previous one before staging
-            # this one, and report its failure before this step is taken on.
-            self._saver.wait()
-        t0 = time.perf_counter()
-        opened = self._open_save(step, state)
-        if opened is None:
-            return False
-        opened.state_dict = state.with_rank_values(opened.state_dict, opened.shared)
-        fields = self._provenance.fields(
-            state, world_size=self.world_size, hosts=opened.hosts, metrics=metrics_json
-        )
-        self._last_saved_step = step
-        if self._saver is None:
-            result = self._write(opened, fields, self._coord)
-            self._last_save_time = time.monotonic()
-            stall = time.perf_counter() - t0
-            self._after_commit(
-                result, stall_s=stall, stage_s=0.0, total_s=stall, emergency=emergency
-            )
-            return True
-        stall = time.perf_counter() - t0
-        self._last_save_time = time.monotonic()
-        coord = self._async_coord
-        assert coord is not None
-
-        def job() -> SaveResult:
-            result = self._write(opened, fields, coord)
-            self._after_commit(
-                result,
-                stall_s=stall,
-                stage_s=stall,
-                total_s=time.perf_counter() - t0,
-                emergency=emergency,
-            )
-            return result
-
-        self._saver.submit(job)
-        if emergency:
-            # A preempted job may be killed at any moment after the grace period:
-            # make the emergency checkpoint durable before returning.
-            self._saver.wait()
-        return True
-
-    def _open_save(self, step: int, state: TrainState) -> OpenedSave | None:
-        """Collective 2: stage the directory, collect the state on every rank, agree; None: skip."""
-
-        def collect() -> tuple[dict[str, Any], dict[str, str]]:
-            staged = state.state_dict()
-            if self._saver is not None:
-                staged = self._staging.stage(staged)
-            # Digests of the values that may differ between ranks (buffers, extra,
-            # stateful objects) travel in the same gather.
-            return staged, state.rank_digests(staged)
-
-        def exists() -> bool:
-            return step == self._last_saved_step or step in self.storage.committed_steps()
-
-        peer: list[RankError] = []
-
-        def from_peer(rep: RankError) -> BaseException:
-            peer.append(rep)
-            if rep.kind == "CheckpointSaveError":
-                return CheckpointSaveError(rep.message)
-            return CheckpointSaveError(
-                f"saving step {step} failed: rank {rep.rank} could not collect its state: "
-                f"{rep.kind}: {rep.message}"
-            )
-
-        try:
-            opened = open_save(
-                self.storage,
-                step,
-                collect,
-                exists=exists,
-                coordinator=self._coord,
-                remote=from_peer,
-            )
-        except CoordinationError as exc:
-            raise self._peer_failure(step, exc) from None
-        except Exception as exc:
-            if peer:
-                self.events.emit(
-                    "save_failed",
-                    logging.ERROR,
-                    step=step,
-                    error=f"{peer[0].kind}: {peer[0].message}",
-                    rank_failed=peer[0].rank,
-                )
-                raise
-            self.events.emit("save_failed", logging.ERROR, step=step, error=str(exc))
-            if isinstance(exc, (TypeError, ValueError, CheckpointSaveError)):
-                raise  # a mistake in what the user put in the state: show it as is
-            raise CheckpointSaveError(
-                f"saving step {step} failed: collecting the state raised "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        if opened.staging is None:
-            self.events.emit(
-                "save_skipped",
-                logging.WARNING,
-                step=step,
-                reason="a checkpoint of this step already exists; checkpoints are never overwritten",
-            )
-            return None
-        return opened
-
-    def _write(self, opened: OpenedSave, fields: dict[str, Any], coord: Coordinator) -> SaveResult:
-        """Collectives 3 and 4: write and commit (``pipeline.write_and_commit``), in any thread."""
-        try:
-            return write_and_commit(self.storage, opened, fields, coordinator=coord)
-        except CheckpointSaveError as exc:
-            self.events.emit("save_failed", logging.ERROR, step=opened.step, error=str(exc))
-            if self._last_saved_step == opened.step:
-                self._last_saved_step = None
-            raise
-
-    def _after_commit(
-        self, result: SaveResult, *, stall_s: float, stage_s: float, total_s: float, emergency: bool
-    ) -> None:
-        if not self.is_leader:
-            return
-        self.events.emit(
-            "save",
-            step=result.step,
-            path=str(result.path),
-            bytes=result.bytes,
-            files=result.files,
-            async_save=self.async_save,
-            stall_s=round(stall_s, 6),
-            stage_s=round(stage_s, 6),
-            total_s=round(total_s, 6),
-            throughput_MBps=round(
-                result.bytes / 1e6 / max(result.write_s + result.checksum_s, 1e-9), 1
-            ),
-            emergency=emergency,
-            **result.timings(),
-        )
-        if self._tiers is not None:
-            self._tiers.committed(result.step, emergency=emergency)
-        self._apply_retention()
-
-    def _apply_retention(self) -> None:
-        """Delete what the local retention lets go, never a step not yet durable. Rank 0, any thread."""
-        guard: contextlib.AbstractContextManager[set[int]] = (
-            self._tiers.holding() if self._tiers is not None else contextlib.nullcontext(set())
-        )
-        with guard as protected:
-            apply_retention(self.storage, self.retention, self.events, protected=protected)
+        return self._writer.save(step, state, metrics_json, emergency=emergency)
 
     # ---------------------------------------------------------------- restore
 
@@ -552,8 +401,8 @@ class CheckpointManager:
         self.resharded = restored.resharded
         self._certificate.expect(restored.step)
         warn_if_ddp_resume_inexact(self.events, state, self.world_size)
-        self._last_save_time = time.monotonic()
-        self._last_saved_step = restored.step
+        self._writer.last_save_time = time.monotonic()
+        self._writer.last_saved_step = restored.step
         return restored.step
 
     # ------------------------------------------------------------ certificate
@@ -581,14 +430,6 @@ class CheckpointManager:
             return  # the verdict is the same on every rank: one event, one warning
         level = logging.WARNING if verdict.event == "resume_diverged" else logging.INFO
         self.events.emit(verdict.event, level, **verdict.fields())
-
-    def _peer_failure(self, step: int | None, exc: CoordinationError) -> CheckpointSaveError:
-        """The error of a failed ``save`` collective, with its event: what happened first, in one line."""
-        message = str(exc)
-        if step is not None:
-            message += f"; the checkpoint of step {step} was not written"
-        self.events.emit("save_failed", logging.ERROR, step=step, error=message)
-        return CheckpointSaveError(message)
 
     # -------------------------------------------------------------- lifecycle
 
