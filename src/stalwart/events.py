@@ -94,7 +94,12 @@ class EventLog:
         except OSError as exc:
             logger.warning("could not append to %s: %s", path, exc)
         finally:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError as exc:
+                # close(2) can report a deferred write error (EIO, EDQUOT); the
+                # descriptor is released anyway, and the log is only a diagnostic.
+                logger.warning("could not append to %s: %s", path, exc)
 
 
 class NotRegularFileError(OSError):

@@ -37,6 +37,7 @@ from stalwart.storage.base import CheckpointStorage
 from stalwart.storage.local import LocalStorage
 from stalwart.storage.remote import redact_url
 from stalwart.tiers import DurableConfig, TierSync, open_durable, resolve_directory
+from stalwart.tiers import local_cache_dir as local_cache_dir  # its earlier home
 
 __all__ = ["CheckpointManager"]
 

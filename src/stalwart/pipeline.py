@@ -1,8 +1,10 @@
 """stage -> write -> checksum -> commit, and the verified load that mirrors it.
 
-The commit protocol lives in ``commit_checkpoint`` and nowhere else. Saving
-runs either in the caller's thread (sync) or, after a staging copy of the
-state, in one background thread (async); both run the same ``write_and_commit``.
+The commit protocol lives in ``write_and_commit`` and nowhere else, after
+``open_save`` created the staging directory and every rank collected its state
+(one collective); ``commit_checkpoint`` is its publishing step. Saving runs
+either in the caller's thread (sync) or, after a staging copy of the state, in
+one background thread (async); both run the same ``write_and_commit``.
 """
 
 from __future__ import annotations
