@@ -10,6 +10,7 @@ EXPECTED = {
     "CheckpointSaveError",
     "CommitConflictError",
     "CoordinationError",
+    "DurableConfig",
     "DurableStoreError",
     "ResumableDataLoader",
     "ResumableSampler",

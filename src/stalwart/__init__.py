@@ -12,6 +12,7 @@ Quick start::
                 break
 """
 
+from stalwart._version import __version__
 from stalwart.distributed import init_distributed, shutdown_distributed
 from stalwart.errors import (
     CheckpointCorruptError,
@@ -31,8 +32,7 @@ from stalwart.manager import CheckpointManager
 from stalwart.sampler import ResumableSampler
 from stalwart.state import TrainState
 from stalwart.storage.remote import RetryPolicy
-
-__version__ = "0.1.0"
+from stalwart.tiers import DurableConfig
 
 __all__ = [
     "CheckpointCorruptError",
@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointSaveError",
     "CommitConflictError",
     "CoordinationError",
+    "DurableConfig",
     "DurableStoreError",
     "ResumableDataLoader",
     "ResumableSampler",

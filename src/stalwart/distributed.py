@@ -18,6 +18,7 @@ of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import logging
@@ -28,10 +29,19 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from stalwart.errors import CoordinationError
+from stalwart.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CoordinationError,
+    StalwartError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+    UnsupportedFormatError,
+)
 
 __all__ = [
     "Coordinator",
+    "RankError",
     "get_rank",
     "get_world_size",
     "init_distributed",
@@ -50,6 +60,49 @@ _PEER_GONE = (
     ("connection refused", "connection refused"),
     ("end of file", "connection closed"),
 )
+
+
+_ERROR_TYPES: dict[str, type[StalwartError]] = {
+    cls.__name__: cls
+    for cls in (
+        CheckpointCorruptError,
+        CheckpointNotFoundError,
+        StateMismatchError,
+        UnsafeCheckpointError,
+        UnsupportedFormatError,
+    )
+}
+"""Errors that cross ranks as themselves; any other kind arrives as ``RankError.fallback``."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankError:
+    """An error one rank raised in ``Coordinator.agree``, as every rank receives it."""
+
+    rank: int
+    kind: str
+    """The exception's class name."""
+    message: str
+    path: str | None = None
+    transient: bool = False
+
+    @classmethod
+    def of(cls, rank: int, exc: BaseException) -> RankError:
+        return cls(
+            rank,
+            type(exc).__name__,
+            str(exc),
+            getattr(exc, "path", None),
+            bool(getattr(exc, "transient", False)),
+        )
+
+    def error(self, fallback: type[StalwartError] = CheckpointCorruptError) -> StalwartError:
+        """The same kind of stalwart error on this rank, its message prefixed with the rank."""
+        cls = _ERROR_TYPES.get(self.kind, fallback)
+        message = f"rank {self.rank}: {self.message}"
+        if issubclass(cls, CheckpointCorruptError):
+            return cls(message, path=self.path, transient=self.transient)
+        return cls(message)
 
 
 def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
@@ -82,6 +135,8 @@ class Coordinator:
         self.rank = get_rank(group) if group is not None else 0
         self.world_size = get_world_size(group) if group is not None else 1
         self.broken: str | None = None
+        self.collectives = 0
+        """Collectives this coordinator has run (a single process counts none)."""
 
     @classmethod
     def create(
@@ -116,6 +171,7 @@ class Coordinator:
                 f"checkpoint coordination ({self.name}) is unusable since an earlier collective "
                 f"failed ({self.broken}); restart the job (torchrun --max-restarts does) to recover"
             )
+        self.collectives += 1
         try:
             return fn()
         except (RuntimeError, ValueError, OSError) as exc:
@@ -160,6 +216,65 @@ class Coordinator:
         out: list[Any] = [None] * self.world_size
         self._run("all_gather", lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
+
+    def agree(
+        self,
+        fn: Callable[[], T],
+        *,
+        catch: tuple[type[BaseException], ...] = (StalwartError,),
+        remote: Callable[[RankError], BaseException] | None = None,
+    ) -> T:
+        """Run ``fn`` on every rank; return this rank's result, or raise on every rank.
+
+        THE one way ranks agree on an outcome: one all-gather carries each
+        rank's error (or none). When ``fn`` raised one of ``catch`` on any rank,
+        every rank raises: the rank that failed first (lowest rank) raises its
+        own exception unchanged; the others raise ``remote(RankError)`` (by
+        default the same kind of stalwart error, "rank N: ..."). Exceptions not
+        in ``catch`` propagate on their rank at once (a bug, not an outcome).
+        Collective.
+        """
+        local, _ = self._agreed(fn, catch, remote, share=False)
+        return local
+
+    def agree_all(
+        self,
+        fn: Callable[[], T],
+        *,
+        catch: tuple[type[BaseException], ...] = (StalwartError,),
+        remote: Callable[[RankError], BaseException] | None = None,
+    ) -> list[T]:
+        """``agree``, returning every rank's result in rank order, in the same one all-gather.
+
+        Results travel by pickle: return small values (names, digests, file
+        lists) and keep big ones in a closure.
+        """
+        _, shared = self._agreed(fn, catch, remote, share=True)
+        return shared
+
+    def _agreed(
+        self,
+        fn: Callable[[], T],
+        catch: tuple[type[BaseException], ...],
+        remote: Callable[[RankError], BaseException] | None,
+        *,
+        share: bool,
+    ) -> tuple[T, list[T]]:
+        result: Any = None
+        local: BaseException | None = None
+        try:
+            result = fn()
+        except catch as exc:
+            local = exc
+        report = None if local is None else RankError.of(self.rank, local)
+        gathered = self.all_gather((report, result if share and local is None else None))
+        failed = [rep for rep, _ in gathered if rep is not None]
+        if failed:
+            first = failed[0]
+            if local is not None and first.rank == self.rank:
+                raise local
+            raise (remote or RankError.error)(first)
+        return result, [value for _, value in gathered]  # type: ignore[misc]
 
     def flags_max(self, *flags: bool) -> list[bool]:
         """Element-wise OR of boolean flags across ranks: one small all-reduce."""

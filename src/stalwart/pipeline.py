@@ -1,8 +1,10 @@
 """stage -> write -> checksum -> commit, and the verified load that mirrors it.
 
-The commit protocol lives in ``commit_checkpoint`` and nowhere else. Saving
-runs either in the caller's thread (sync) or, after a staging copy of the
-state, in one background thread (async); both run the same ``write_and_commit``.
+The commit protocol lives in ``write_and_commit`` and nowhere else, after
+``open_save`` created the staging directory and every rank collected its state
+(one collective); ``commit_checkpoint`` is its publishing step. Saving runs
+either in the caller's thread (sync) or, after a staging copy of the state, in
+one background thread (async); both run the same ``write_and_commit``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import copy
 import dataclasses
 import os
 import re
+import socket
 import threading
 import time
 import warnings
@@ -25,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from stalwart.distributed import Coordinator
+from stalwart.distributed import Coordinator, RankError
 from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -33,8 +36,6 @@ from stalwart.errors import (
     CoordinationError,
     StalwartError,
     StateMismatchError,
-    UnsafeCheckpointError,
-    UnsupportedFormatError,
 )
 from stalwart.manifest import (
     MANIFEST_NAME,
@@ -53,11 +54,13 @@ from stalwart.storage.local import step_of_dir_name
 __all__ = [
     "AsyncSaver",
     "FileProblem",
+    "OpenedSave",
     "SaveResult",
     "StagingArea",
     "commit_checkpoint",
     "file_problems",
     "load_checkpoint",
+    "open_save",
     "read_manifest",
     "stage_state_dict",
     "verify_checkpoint",
@@ -275,92 +278,182 @@ def _checksum_files(
 
 
 def commit_checkpoint(storage: CheckpointStorage, staging: Path, manifest: Manifest) -> Path:
-    """THE COMMIT PROTOCOL. A checkpoint exists only once this returns.
+    """Publish ``staging`` as ``manifest.step``: the storage's indivisible commit step.
 
-    1. Every rank has written its files into ``staging`` and fsynced them
-       (``write_and_commit`` before calling this).
-    2. Sizes and checksums of all files are in ``manifest.files``; in a
-       distributed save every rank reported them and passed the barrier.
-    3. The committing rank writes MANIFEST.json into ``staging`` (fsynced), then
-       the storage publishes it: rename into place and fsync of the parent on a
-       POSIX filesystem, the manifest object written last on an object store.
-    4. A checkpoint without a valid manifest does not exist: readers ignore it,
-       and ``stalwart gc`` sweeps it.
+    MANIFEST.json goes into ``staging`` (fsynced), then the storage publishes
+    it: rename into place and fsync of the parent on a POSIX filesystem, the
+    manifest object written last on an object store. See ``write_and_commit``
+    for the protocol around it.
     """
     assert manifest.files, "a checkpoint without files cannot be committed"
     return storage.commit(staging, manifest.step, manifest.to_json())
 
 
+@dataclasses.dataclass(slots=True, kw_only=True)
+class OpenedSave:
+    """A save every rank agreed to write: its staging directory and what each rank collected."""
+
+    step: int
+    staging: Path | None
+    """The staging directory, on every rank; None when the step exists already (a skip)."""
+    state_dict: dict[str, Any]
+    """This rank's collected (and, async, staged) state."""
+    shared: list[Any]
+    """What ``collect`` returned to share, from every rank, in rank order."""
+    hosts: list[str]
+    """Every rank's hostname, in rank order."""
+
+
+def open_save(
+    storage: CheckpointStorage,
+    step: int,
+    collect: Callable[[], tuple[dict[str, Any], Any]],
+    *,
+    exists: Callable[[], bool],
+    coordinator: Coordinator,
+    remote: Callable[[RankError], BaseException] | None = None,
+) -> OpenedSave:
+    """Create the staging directory and collect the state on every rank: one collective.
+
+    The leader checks ``exists()`` (a committed checkpoint is never
+    overwritten) and creates the staging directory; every rank runs
+    ``collect()``, which returns its state dict and a small value to share
+    (per-rank digests). If anything failed on any rank, every rank raises (see
+    ``Coordinator.agree``; ``remote`` builds the error of the ranks that did not
+    fail) and the staging directory is gone.
+    """
+    coord = coordinator
+    state_dict: dict[str, Any] = {}
+    created: Path | None = None
+
+    def prepare() -> tuple[str | None, bool, Any, str]:
+        nonlocal state_dict, created
+        skip = False
+        if coord.is_leader:
+            skip = exists()
+            if not skip:
+                try:
+                    created = storage.begin(step)
+                except OSError as exc:
+                    raise CheckpointSaveError(
+                        f"saving step {step} failed: cannot create the staging directory: {exc}"
+                    ) from exc
+        state_dict, shared = collect()
+        return None if created is None else created.name, skip, shared, socket.gethostname()
+
+    try:
+        reports = coord.agree_all(prepare, catch=(Exception,), remote=remote)
+    except BaseException:
+        if created is not None:
+            # The leader made the directory before a rank failed: nothing will be written.
+            storage.abort(created)
+        raise
+    name, skip, _shared, _host = reports[0]
+    return OpenedSave(
+        step=step,
+        staging=None if skip or name is None else storage.path_of(name),
+        state_dict=state_dict,
+        shared=[shared for _n, _s, shared, _h in reports],
+        hosts=[host for _n, _s, _sh, host in reports],
+    )
+
+
 def write_and_commit(
     storage: CheckpointStorage,
-    state_dict: dict[str, Any],
-    manifest: Manifest,
+    opened: OpenedSave,
+    manifest_fields: Mapping[str, Any],
     *,
     coordinator: Coordinator | None = None,
 ) -> SaveResult:
-    """Write ``state_dict`` with DCP into a fresh staging directory and commit it.
+    """THE COMMIT PROTOCOL: write ``opened`` into its staging directory and commit it.
 
-    Collective over ``coordinator`` (every rank calls it with its own shard of
-    the state; a single process passes None). The leader creates the staging
-    directory and commits; every rank writes, fsyncs and checksums its own
-    files. On any failure, on any rank, every rank raises ``CheckpointSaveError``
+    A checkpoint exists only once this returns. Collective over
+    ``coordinator`` (a single process passes None), two collectives:
+
+    1. (``open_save``, before this) the leader created the staging directory.
+    2. Every rank writes its own files with DCP, fsyncs and checksums them.
+    3. Every rank reports its files (sizes, xxh3-128) or its error: one gather.
+    4. The leader builds the manifest, once, with every rank's files and
+       ``manifest_fields``, and commits it (``commit_checkpoint``): MANIFEST.json
+       into staging, fsynced, then published.
+    5. Every rank learns the outcome: one gather.
+
+    On any failure, on any rank, every rank raises ``CheckpointSaveError``
     (cause chained), the staging directory is removed and nothing is committed;
     earlier checkpoints are never touched. A dead or hung rank makes the others
-    fail after the coordinator's timeout instead of waiting forever.
+    fail after the coordinator's timeout instead of waiting forever. A
+    checkpoint without a valid manifest does not exist: readers ignore it, and
+    ``stalwart gc`` sweeps it.
     """
     coord = coordinator if coordinator is not None else Coordinator(None, timeout=0.0, name="local")
+    step, staging = opened.step, opened.staging
+    assert staging is not None, "a skipped save has nothing to write"
     try:
-        return _write_and_commit(storage, state_dict, manifest, coord)
-    except CoordinationError as exc:
-        raise CheckpointSaveError(f"saving step {manifest.step} failed: {exc}") from exc
-
-
-def _write_and_commit(
-    storage: CheckpointStorage,
-    state_dict: dict[str, Any],
-    manifest: Manifest,
-    coord: Coordinator,
-) -> SaveResult:
-    step = manifest.step
-    cause: BaseException | None = None
-
-    # 1. The leader creates the staging directory; every rank learns its name.
-    name: str | None = None
-    error: str | None = None
-    if coord.is_leader:
+        # 2. + 3. Write, fsync and checksum this rank's files; every rank reports.
+        t0 = time.perf_counter()
+        timing: dict[str, float] = {}
         try:
-            name = storage.begin(step).name
-        except OSError as exc:
-            error, cause = f"cannot create the staging directory: {exc}", exc
-    name, error = coord.broadcast((name, error))
-    if name is None:
-        raise CheckpointSaveError(f"saving step {step} failed: {error}") from cause
-    staging = storage.path_of(name)
-    try:
-        return _write_staged(storage, state_dict, manifest, coord, staging)
-    except CoordinationError:
+            reports = coord.agree_all(
+                lambda: _write_mine(opened.state_dict, staging, coord, step, timing),
+                catch=(CheckpointSaveError,),
+                remote=lambda rep: CheckpointSaveError(rep.message),
+            )
+        except BaseException:
+            if coord.is_leader:
+                storage.abort(staging)
+            raise
+        t1 = timing.get("written", t0)
+        t2 = time.perf_counter()
+        files = sorted((e for entries in reports for e in entries), key=lambda e: e.path)
+
+        # 4. + 5. The manifest, built once with its files; the leader commits; all learn.
+        def commit() -> str | None:
+            if not coord.is_leader:
+                return None
+            manifest = Manifest(step=step, files=files, **manifest_fields)
+            try:
+                return commit_checkpoint(storage, staging, manifest).name
+            except (OSError, StalwartError, ValueError) as exc:
+                storage.abort(staging)
+                raise CheckpointSaveError(
+                    f"committing step {step} failed: {type(exc).__name__}: {exc}"
+                ) from (_find_os_error(exc) or exc)
+
+        final_name = coord.agree_all(
+            commit,
+            catch=(CheckpointSaveError,),
+            remote=lambda rep: CheckpointSaveError(rep.message),
+        )[0]
+        assert final_name is not None
+    except CoordinationError as exc:
         if coord.is_leader:
             # The others may still be writing; a leftover file in a hidden staging
             # directory is harmless (never restored, swept by gc).
             storage.abort(staging)
-        raise
+        raise CheckpointSaveError(f"saving step {step} failed: {exc}") from exc
+    return SaveResult(
+        step=step,
+        path=storage.path_of(final_name),
+        bytes=sum(e.size for e in files),
+        files=len(files),
+        write_s=t1 - t0,
+        checksum_s=t2 - t1,
+        commit_s=time.perf_counter() - t2,
+    )
 
 
-def _write_staged(
-    storage: CheckpointStorage,
+def _write_mine(
     state_dict: dict[str, Any],
-    manifest: Manifest,
-    coord: Coordinator,
     staging: Path,
-) -> SaveResult:
-    step = manifest.step
-    cause: BaseException | None = None
-    error: str | None = None
+    coord: Coordinator,
+    step: int,
+    timing: dict[str, float],
+) -> list[FileEntry]:
+    """Write this rank's part with DCP, then fsync and checksum what it wrote.
 
-    # 2. Every rank writes its part, fsyncs it and checksums what it wrote.
-    t0 = time.perf_counter()
-    entries: list[FileEntry] = []
-    t1 = t0
+    Any failure is raised as ``CheckpointSaveError`` naming the step (and the
+    rank, distributed), its OS-level cause chained.
+    """
     try:
         try:
             writer = FileSystemWriter(
@@ -377,47 +470,15 @@ def _write_staged(
                 )
         except CheckpointException as exc:
             raise CheckpointSaveError(_first_failure(exc)) from (_find_os_error(exc) or exc)
-        t1 = time.perf_counter()
-        entries = _checksum_files(
+        timing["written"] = time.perf_counter()
+        return _checksum_files(
             staging, rank=coord.rank if coord.distributed else None, leader=coord.is_leader
         )
     except (OSError, StalwartError, ValueError, TypeError, RuntimeError) as exc:
-        error, cause = f"{type(exc).__name__}: {exc}", (_find_os_error(exc) or exc)
-    t2 = time.perf_counter()
-    reports = coord.all_gather((entries, error))
-    failed = [(rank, err) for rank, (_e, err) in enumerate(reports) if err is not None]
-    if failed:
-        if coord.is_leader:
-            storage.abort(staging)
-        rank, err = failed[0]
-        where = f" on rank {rank}" if coord.distributed else ""
-        raise CheckpointSaveError(f"saving step {step} failed{where}: {err}") from cause
-
-    # 3. The leader commits (THE COMMIT PROTOCOL); every rank learns the outcome.
-    final_name: str | None = None
-    if coord.is_leader:
-        manifest.files = sorted(
-            (e for rank_entries, _ in reports for e in rank_entries), key=lambda e: e.path
-        )
-        try:
-            final_name = commit_checkpoint(storage, staging, manifest).name
-        except (OSError, StalwartError, ValueError) as exc:
-            storage.abort(staging)
-            error, cause = f"{type(exc).__name__}: {exc}", (_find_os_error(exc) or exc)
-    final_name, error = coord.broadcast((final_name, error))
-    if final_name is None:
-        raise CheckpointSaveError(f"committing step {step} failed: {error}") from cause
-    t3 = time.perf_counter()
-    files = [e for rank_entries, _ in reports for e in rank_entries]
-    return SaveResult(
-        step=step,
-        path=storage.path_of(final_name),
-        bytes=sum(e.size for e in files),
-        files=len(files),
-        write_s=t1 - t0,
-        checksum_s=t2 - t1,
-        commit_s=t3 - t2,
-    )
+        where = f" on rank {coord.rank}" if coord.distributed else ""
+        raise CheckpointSaveError(
+            f"saving step {step} failed{where}: {type(exc).__name__}: {exc}"
+        ) from (_find_os_error(exc) or exc)
 
 
 def _first_failure(exc: CheckpointException) -> str:
@@ -446,18 +507,6 @@ def _find_os_error(exc: BaseException | None) -> OSError | None:
             stack.extend(inner for inner, _trace in e.failures.values())
         stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
     return None
-
-
-_ERROR_TYPES: dict[str, type[StalwartError]] = {
-    cls.__name__: cls
-    for cls in (
-        CheckpointCorruptError,
-        CheckpointNotFoundError,
-        StateMismatchError,
-        UnsafeCheckpointError,
-        UnsupportedFormatError,
-    )
-}
 
 
 class AsyncSaver:
@@ -667,31 +716,7 @@ def verify_checkpoint(
 
 def _agree(coord: Coordinator, what: Callable[[], T]) -> T:
     """Run ``what`` on every rank; if it raised a stalwart error on any rank, raise it on all."""
-    result: Any = None
-    report: tuple[str, str, str | None, bool] | None = None
-    local: StalwartError | None = None
-    try:
-        result = what()
-    except StalwartError as exc:
-        local = exc
-        report = (
-            type(exc).__name__,
-            str(exc),
-            getattr(exc, "path", None),
-            bool(getattr(exc, "transient", False)),
-        )
-    reports = coord.all_gather(report)
-    for rank, rep in enumerate(reports):
-        if rep is None:
-            continue
-        if local is not None and rank == coord.rank:
-            raise local
-        kind, message, path, transient = rep
-        cls = _ERROR_TYPES.get(kind, CheckpointCorruptError)
-        if issubclass(cls, CheckpointCorruptError):
-            raise cls(f"rank {rank}: {message}", path=path, transient=transient)
-        raise cls(f"rank {rank}: {message}")
-    return result  # type: ignore[no-any-return]
+    return coord.agree(what)
 
 
 def load_checkpoint(

@@ -1,7 +1,8 @@
 """Background copies of committed checkpoints to the durable tier.
 
 One thread per manager (on the rank that commits) takes committed steps from a
-queue and uploads them with ``DurableTier.upload``, oldest first. Training never
+queue and uploads them with ``DurableMirror.upload`` (``storage.base``), oldest
+first, reading them from the primary tier through ``CheckpointStorage``. Training never
 waits for it: ``save`` only enqueues. While the store is down the thread keeps
 retrying with backoff; the manager's local retention asks ``protected()`` and
 never deletes a checkpoint that is queued or being uploaded. At most
@@ -32,8 +33,7 @@ from stalwart.errors import (
 from stalwart.events import EventLog
 from stalwart.manifest import MANIFEST_NAME
 from stalwart.policy import RetentionPolicy
-from stalwart.storage.durable import DurableTier
-from stalwart.storage.local import LocalStorage
+from stalwart.storage.base import CheckpointStorage, DurableMirror
 
 __all__ = ["Uploader"]
 
@@ -43,8 +43,8 @@ class Uploader:
 
     def __init__(
         self,
-        tier: DurableTier,
-        local: LocalStorage,
+        tier: DurableMirror,
+        local: CheckpointStorage,
         events: EventLog,
         *,
         retention: RetentionPolicy,
@@ -52,7 +52,9 @@ class Uploader:
         on_durable: Callable[[], None] | None = None,
     ) -> None:
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"durable_max_pending must be a positive integer, got {max_pending!r}")
+            raise ValueError(
+                f"DurableConfig.max_pending must be a positive integer, got {max_pending!r}"
+            )
         self.tier = tier
         self.local = local
         self.events = events
@@ -87,7 +89,7 @@ class Uploader:
                     step=dropped,
                     reason=(
                         f"the durable tier is behind ({len(self._pending)} newer checkpoints "
-                        f"waiting, durable_max_pending={self.max_pending}); a newer one will be "
+                        f"waiting, DurableConfig.max_pending={self.max_pending}); a newer one will be "
                         "uploaded instead"
                     ),
                 )

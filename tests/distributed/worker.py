@@ -128,6 +128,10 @@ def main() -> int:
         model=model, optimizer=optimizer, scheduler=scheduler, data=loader, probe=probe
     )
     code = 0
+    retry = stalwart.RetryPolicy(initial_backoff=0.05, max_backoff=0.5, deadline=30.0)
+    durable = (
+        None if args.durable is None else stalwart.DurableConfig(url=args.durable, retry=retry)
+    )
     with stalwart.CheckpointManager(
         args.run_dir,
         every_steps=args.every,
@@ -137,8 +141,7 @@ def main() -> int:
         # A rank that hangs on purpose should die at torchrun's first SIGTERM
         # rather than wait out torchrun's grace period with the flag set.
         handle_signals=not args.hang,
-        durable=args.durable,
-        durable_retry=stalwart.RetryPolicy(initial_backoff=0.05, max_backoff=0.5, deadline=30.0),
+        durable=durable,
     ) as ckpt:
         start = ckpt.restore(state, step=args.restore_step) or 0
         say(f"rank {rank} start {start} resharded {ckpt.resharded}")

@@ -33,11 +33,8 @@ def make_run(run: Path, url: str) -> None:
     parts = make_parts()
     with stalwart.CheckpointManager(
         run,
-        durable=url,
+        durable=stalwart.DurableConfig(url=url, every=2, keep_last=2, retry=FAST),
         keep_last=None,
-        durable_every=2,
-        durable_keep_last=2,
-        durable_retry=FAST,
         handle_signals=False,
     ) as ckpt:
         for step in range(1, 7):
@@ -93,10 +90,8 @@ def test_ls_of_a_run_shows_steps_left_only_in_the_durable_tier(capsys, tmp_path,
     parts = make_parts()
     with stalwart.CheckpointManager(
         run,
-        durable=url,
+        durable=stalwart.DurableConfig(url=url, keep_last=None, retry=FAST),
         keep_last=1,
-        durable_keep_last=None,
-        durable_retry=FAST,
         handle_signals=False,
     ) as ckpt:
         for step in (1, 2, 3):
@@ -125,7 +120,10 @@ def test_ls_of_a_run_reports_failing_uploads_while_the_store_is_down(
         initial_backoff=0.05, max_backoff=0.2, deadline=0.5, request_timeout=2.0, request_retries=0
     )
     with stalwart.CheckpointManager(
-        run, durable=url, keep_last=None, durable_retry=brief, handle_signals=False
+        run,
+        durable=stalwart.DurableConfig(url=url, retry=brief),
+        keep_last=None,
+        handle_signals=False,
     ) as ckpt:
         ckpt.save(1, parts.state)
         assert ckpt.wait_durable(30)

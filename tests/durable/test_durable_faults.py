@@ -43,12 +43,9 @@ def test_with_30_percent_of_requests_failing_every_checkpoint_becomes_durable(
     call_times = []
     with stalwart.CheckpointManager(
         run,
-        durable=url,
+        durable=stalwart.DurableConfig(url=url, keep_last=None, max_pending=16, retry=FAST),
         async_save=True,
         keep_last=2,
-        durable_keep_last=None,
-        durable_max_pending=16,
-        durable_retry=FAST,
         handle_signals=False,
     ) as ckpt:
         for step in range(1, 13):
@@ -86,7 +83,10 @@ def test_an_outage_keeps_the_newest_undurable_checkpoint_and_uploads_catch_up(
     parts = make_parts()
     run = tmp_path / "run"
     with stalwart.CheckpointManager(
-        run, durable=url, keep_last=1, durable_retry=FAST, handle_signals=False
+        run,
+        durable=stalwart.DurableConfig(url=url, retry=FAST),
+        keep_last=1,
+        handle_signals=False,
     ) as ckpt:
         ckpt.save(1, parts.state)
         assert ckpt.wait_durable(30)
@@ -127,8 +127,7 @@ CHILD = textwrap.dedent(
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
     state = stalwart.TrainState(model=model, optimizer=torch.optim.Adam(model.parameters()))
     retry = RetryPolicy(initial_backoff=0.05, max_backoff=0.5, deadline=60, request_timeout=30)
-    with stalwart.CheckpointManager(sys.argv[1], durable=sys.argv[2], durable_retry=retry,
-                                    handle_signals=False) as ckpt:
+    with stalwart.CheckpointManager(sys.argv[1], durable=stalwart.DurableConfig(url=sys.argv[2], retry=retry), handle_signals=False,) as ckpt:
         ckpt.save(1, state)
         time.sleep(120)
     """
@@ -177,7 +176,9 @@ def test_sigkill_during_upload_never_shows_a_partial_commit_and_the_next_run_fin
     # The next run on the same directory uploads what the killed one left behind.
     fault_proxy.delay_s = 0.0
     with stalwart.CheckpointManager(
-        run, durable=url, durable_retry=FAST, handle_signals=False
+        run,
+        durable=stalwart.DurableConfig(url=url, retry=FAST),
+        handle_signals=False,
     ) as ckpt:
         assert ckpt.wait_durable(60)
         assert ckpt.last_durable_step == 1
@@ -195,7 +196,9 @@ def test_gc_grace_period_spares_an_upload_in_progress(tmp_path, s3_env, s3_bucke
     ]
     parts = make_parts()
     with stalwart.CheckpointManager(
-        tmp_path / "run", durable=f"s3://{s3_bucket}/gc", durable_retry=FAST, handle_signals=False
+        tmp_path / "run",
+        durable=stalwart.DurableConfig(url=f"s3://{s3_bucket}/gc", retry=FAST),
+        handle_signals=False,
     ) as ckpt:
         ckpt.save(3, parts.state)
     # The committed step 3 beside the stale attempt: only the attempt is an orphan.

@@ -31,12 +31,10 @@ def test_every_commit_is_uploaded_and_each_tier_keeps_its_own_retention(
     run = tmp_path / "run"
     with stalwart.CheckpointManager(
         run,
-        durable=url,
+        durable=stalwart.DurableConfig(
+            url=url, keep_last=3, keep_every=4, retry=FAST, max_pending=10
+        ),
         keep_last=2,
-        durable_keep_last=3,
-        durable_keep_every=4,
-        durable_retry=FAST,
-        durable_max_pending=10,
         handle_signals=False,
     ) as ckpt:
         for step in range(1, 11):
@@ -64,7 +62,9 @@ def test_durable_every_uploads_every_nth_and_the_last_checkpoint_at_close(
     url = f"s3://{s3_bucket}/every"
     parts = make_parts()
     with stalwart.CheckpointManager(
-        tmp_path / "run", durable=url, durable_every=3, keep_last=None, durable_retry=FAST
+        tmp_path / "run",
+        durable=stalwart.DurableConfig(url=url, every=3, retry=FAST),
+        keep_last=None,
     ) as ckpt:
         for step in range(1, 8):
             ckpt.save(step, parts.state)
@@ -79,7 +79,10 @@ def test_node_loss_restores_from_durable_and_resumes_bit_exact(tmp_path, s3_env,
     first = make_parts()
     run = tmp_path / "node-a"
     with stalwart.CheckpointManager(
-        run, durable=url, every_steps=4, durable_retry=FAST, handle_signals=False
+        run,
+        durable=stalwart.DurableConfig(url=url, retry=FAST),
+        every_steps=4,
+        handle_signals=False,
     ) as ckpt:
         for step in range(1, 9):
             train_steps(first, 1)
@@ -88,7 +91,10 @@ def test_node_loss_restores_from_durable_and_resumes_bit_exact(tmp_path, s3_env,
 
     second = make_parts()
     with stalwart.CheckpointManager(
-        tmp_path / "node-b", durable=url, every_steps=4, durable_retry=FAST, handle_signals=False
+        tmp_path / "node-b",
+        durable=stalwart.DurableConfig(url=url, retry=FAST),
+        every_steps=4,
+        handle_signals=False,
     ) as ckpt:
         assert ckpt.restore(second.state) == 8
         train_steps(second, 4)
@@ -105,16 +111,22 @@ def test_restore_prefers_the_local_copy_and_falls_back_to_durable_when_it_is_dam
     model = torch.nn.Linear(32, 32)
     state = stalwart.TrainState(model=model)
     run = tmp_path / "run"
-    with stalwart.CheckpointManager(run, durable=url, durable_retry=FAST) as ckpt:
+    with stalwart.CheckpointManager(
+        run, durable=stalwart.DurableConfig(url=url, retry=FAST)
+    ) as ckpt:
         ckpt.save(5, state)
     expected = model.weight.detach().clone()
     fresh = torch.nn.Linear(32, 32)
-    with stalwart.CheckpointManager(run, durable=url, durable_retry=FAST) as ckpt:
+    with stalwart.CheckpointManager(
+        run, durable=stalwart.DurableConfig(url=url, retry=FAST)
+    ) as ckpt:
         assert ckpt.restore(stalwart.TrainState(model=fresh)) == 5
     assert [e.get("source") for e in run_events(run) if e["event"] == "restore"] == ["local"]
     flip_byte(next((run / "step_000000005").glob("*.distcp")))
     fresh = torch.nn.Linear(32, 32)
-    with stalwart.CheckpointManager(run, durable=url, durable_retry=FAST) as ckpt:
+    with stalwart.CheckpointManager(
+        run, durable=stalwart.DurableConfig(url=url, retry=FAST)
+    ) as ckpt:
         assert ckpt.restore(stalwart.TrainState(model=fresh)) == 5
     assert torch.equal(fresh.weight, expected)
     events = run_events(run)
@@ -128,7 +140,9 @@ def test_a_url_alone_stages_locally_and_keeps_history_in_the_store(
     monkeypatch.setenv("STALWART_LOCAL_DIR", str(tmp_path / "scratch"))
     url = f"s3://{s3_bucket}/urlonly"
     parts = make_parts()
-    with stalwart.CheckpointManager(url, keep_last=3, durable_retry=FAST) as ckpt:
+    with stalwart.CheckpointManager(
+        url, keep_last=3, durable=stalwart.DurableConfig(url=url, retry=FAST)
+    ) as ckpt:
         assert str(ckpt.directory).startswith(str(tmp_path / "scratch"))
         for step in range(1, 6):
             train_steps(parts, 1)
@@ -140,7 +154,9 @@ def test_a_url_alone_stages_locally_and_keeps_history_in_the_store(
     expected = snapshot(parts)
     shutil.rmtree(tmp_path / "scratch")
     again = make_parts()
-    with stalwart.CheckpointManager(url, durable_retry=FAST) as ckpt:
+    with stalwart.CheckpointManager(
+        url, durable=stalwart.DurableConfig(url=url, retry=FAST)
+    ) as ckpt:
         assert ckpt.restore(again.state) == 5
     got = snapshot(again)
     for key in ("model", "optimizer", "scheduler", "scaler", "extra"):
@@ -150,7 +166,9 @@ def test_a_url_alone_stages_locally_and_keeps_history_in_the_store(
 def test_an_fsspec_url_works_as_durable_tier_with_create_only_commits(tmp_path):
     url = (tmp_path / "backup" / "exp").as_uri()
     parts = make_parts()
-    with stalwart.CheckpointManager(tmp_path / "run", durable=url, durable_retry=FAST) as ckpt:
+    with stalwart.CheckpointManager(
+        tmp_path / "run", durable=stalwart.DurableConfig(url=url, retry=FAST)
+    ) as ckpt:
         for step in (1, 2):
             ckpt.save(step, parts.state)
     tier = DurableTier(url, retry=FAST)
@@ -160,7 +178,9 @@ def test_an_fsspec_url_works_as_durable_tier_with_create_only_commits(tmp_path):
     other = make_parts(hidden=4)
 
     def second_run() -> None:
-        with stalwart.CheckpointManager(tmp_path / "other", durable=url, durable_retry=FAST) as c:
+        with stalwart.CheckpointManager(
+            tmp_path / "other", durable=stalwart.DurableConfig(url=url, retry=FAST)
+        ) as c:
             c.save(2, other.state)
             c.wait_durable(30)
 
@@ -172,8 +192,10 @@ def test_an_fsspec_url_works_as_durable_tier_with_create_only_commits(tmp_path):
 def test_bad_durable_arguments_fail_fast_with_a_clear_message(tmp_path, s3_env, s3_bucket):
     with pytest.raises(ValueError, match="durable must be an object-store URL"):
         stalwart.CheckpointManager(tmp_path / "a", durable="bucket/prefix")
-    with pytest.raises(ValueError, match="durable_every must be a positive integer"):
-        stalwart.CheckpointManager(tmp_path / "b", durable=f"s3://{s3_bucket}/x", durable_every=0)
+    with pytest.raises(ValueError, match=r"DurableConfig\.every must be a positive integer"):
+        stalwart.CheckpointManager(
+            tmp_path / "b", durable=stalwart.DurableConfig(url=f"s3://{s3_bucket}/x", every=0)
+        )
     with pytest.raises(stalwart.DurableStoreError, match="refuses this run"):
         stalwart.CheckpointManager(tmp_path / "c", durable="s3://no-such-bucket-here/x")
     # A refused tier leaves the directory unlocked for the next try.

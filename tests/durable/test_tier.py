@@ -167,7 +167,9 @@ def test_two_managers_committing_the_same_step_one_gets_a_clear_error(tmp_path, 
         model = torch.nn.Linear(8, 8)
         state = stalwart.TrainState(model=model)
         with stalwart.CheckpointManager(
-            tmp_path / name, durable=url, durable_retry=FAST, handle_signals=False
+            tmp_path / name,
+            durable=stalwart.DurableConfig(url=url, retry=FAST),
+            handle_signals=False,
         ) as ckpt:
             barrier.wait()
             ckpt.save(3, state)
@@ -210,7 +212,9 @@ def test_a_damaged_durable_copy_is_detected_before_use_and_restore_falls_back(
     state = stalwart.TrainState(model=model)
     saved = {}
     with stalwart.CheckpointManager(
-        tmp_path / "run", durable=url, durable_retry=FAST, handle_signals=False
+        tmp_path / "run",
+        durable=stalwart.DurableConfig(url=url, retry=FAST),
+        handle_signals=False,
     ) as ckpt:
         for step in (1, 2):
             model.weight.data.fill_(float(step))
@@ -226,7 +230,9 @@ def test_a_damaged_durable_copy_is_detected_before_use_and_restore_falls_back(
     # The node lost its disk: only the durable tier is left.
     fresh = torch.nn.Linear(16, 16)
     with stalwart.CheckpointManager(
-        tmp_path / "new", durable=url, durable_retry=FAST, handle_signals=False
+        tmp_path / "new",
+        durable=stalwart.DurableConfig(url=url, retry=FAST),
+        handle_signals=False,
     ) as ckpt:
         assert ckpt.restore(stalwart.TrainState(model=fresh)) == 1
     assert torch.equal(fresh.weight, saved[1])
@@ -250,7 +256,9 @@ def test_credentials_never_appear_in_events_manifests_logs_or_errors(
     use_endpoint(monkeypatch, fault_proxy.endpoint)
     fault_proxy.fail_rate = 0.5
     with stalwart.CheckpointManager(
-        tmp_path / "run", durable=url, durable_retry=FAST, handle_signals=False
+        tmp_path / "run",
+        durable=stalwart.DurableConfig(url=url, retry=FAST),
+        handle_signals=False,
     ) as ckpt:
         for step in (1, 2):
             try:

@@ -189,8 +189,9 @@ def test_failure_to_move_a_corrupt_step_aside_does_not_stop_the_fallback(
     data = next(f for f in pristine.files if f.endswith(".distcp"))
     flip_byte(run / STEP3 / data, 1)
     parts = fresh_parts()
-    with manager(run) as ckpt:
-        ckpt.storage = FaultyStorage(run, "quarantine")
+    with stalwart.CheckpointManager(
+        run, keep_last=None, handle_signals=False, storage=FaultyStorage(run, "quarantine")
+    ) as ckpt:
         assert ckpt.restore(parts.state) == 2
     assert_same(pristine.expected[2], snapshot(parts))
     assert_skip_logged(run, 3, run / STEP3 / data)

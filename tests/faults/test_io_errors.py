@@ -266,13 +266,13 @@ def test_full_disk_and_read_only_mount_for_real(tmp_path: Path) -> None:
 def test_failed_commit_leaves_nothing_and_harms_nothing(tmp_path: Path, fault: str) -> None:
     run = tmp_path / "run"
     parts = make_parts()
-    with manager(run) as ckpt:
+    storage = FaultyStorage(run, None)
+    with manager(run, storage=storage) as ckpt:
         train_steps(parts, 2)
         assert ckpt.save(1, parts.state)
         expected = copy.deepcopy(snapshot(parts))  # optimizer state is live
         digest = tree_digest(run)
-        storage = FaultyStorage(run, fault)  # type: ignore[arg-type]
-        ckpt.storage = storage
+        storage.fault = fault  # type: ignore[assignment]
         train_steps(parts, 2)
         with pytest.raises(stalwart.CheckpointSaveError) as info:
             ckpt.save(2, parts.state)
@@ -293,9 +293,8 @@ def test_read_only_run_directory_after_saves_started(tmp_path: Path) -> None:
     """Creating the staging directory fails with EROFS (root ignores chmod, so the backend says it)."""
     run = tmp_path / "run"
     parts = make_parts()
-    with manager(run) as ckpt:
-        storage = FaultyStorage(run, "begin", after=1)
-        ckpt.storage = storage
+    storage = FaultyStorage(run, "begin", after=1)
+    with manager(run, storage=storage) as ckpt:
         train_steps(parts, 1)
         assert ckpt.save(1, parts.state)
         expected = copy.deepcopy(snapshot(parts))  # optimizer state is live
@@ -316,9 +315,8 @@ def test_full_disk_during_retention_does_not_stop_training(tmp_path: Path) -> No
     """Deleting old checkpoints fails with ENOSPC: logged as delete_failed, every save still lands."""
     run = tmp_path / "run"
     parts = make_parts()
-    with manager(run, keep_last=1) as ckpt:
-        storage = FaultyStorage(run, "delete")
-        ckpt.storage = storage
+    storage = FaultyStorage(run, "delete")
+    with manager(run, keep_last=1, storage=storage) as ckpt:
         for step in (1, 2, 3, 4):
             train_steps(parts, 1)
             assert ckpt.save(step, parts.state)
@@ -350,13 +348,13 @@ def test_background_failure_surfaces_on_the_next_call(tmp_path: Path, surfaces_o
     """An async save that fails is raised, chained, by the next save, wait or close: never lost."""
     run = tmp_path / "run"
     parts = make_parts()
-    ckpt = manager(run, async_save=True)
+    storage = FaultyStorage(run, None, times=1)
+    ckpt = manager(run, async_save=True, storage=storage)
     try:
         assert ckpt.save(1, parts.state)
         ckpt.wait()
         digest = tree_digest(run)
-        storage = FaultyStorage(run, "commit", times=1)
-        ckpt.storage = storage
+        storage.fault = "commit"
         train_steps(parts, 1)
         assert ckpt.save(2, parts.state)  # handed to the background writer
         train_steps(parts, 1)
@@ -378,8 +376,7 @@ def test_background_failure_surfaces_from_the_context_manager(tmp_path: Path) ->
     parts = make_parts()
 
     def train() -> None:
-        with manager(run, async_save=True) as ckpt:
-            ckpt.storage = FaultyStorage(run, "manifest_written")
+        with manager(run, async_save=True, storage=FaultyStorage(run, "manifest_written")) as ckpt:
             assert ckpt.save(1, parts.state)  # returns at once; the failure comes later
 
     with pytest.raises(stalwart.CheckpointSaveError) as info:
@@ -391,8 +388,7 @@ def test_background_failure_surfaces_from_the_context_manager(tmp_path: Path) ->
 def test_step_whose_background_save_failed_can_be_saved_again(tmp_path: Path) -> None:
     run = tmp_path / "run"
     parts = make_parts()
-    with manager(run, async_save=True) as ckpt:
-        ckpt.storage = FaultyStorage(run, "commit", times=1)
+    with manager(run, async_save=True, storage=FaultyStorage(run, "commit", times=1)) as ckpt:
         assert ckpt.save(1, parts.state)
         with pytest.raises(stalwart.CheckpointSaveError):
             ckpt.wait()
@@ -404,9 +400,9 @@ def test_step_whose_background_save_failed_can_be_saved_again(tmp_path: Path) ->
 def test_save_that_reports_an_earlier_failure_is_not_lost(tmp_path: Path) -> None:
     run = tmp_path / "run"
     parts = make_parts()
-    with manager(run, async_save=True) as ckpt:
-        # Step 1's write fails slowly, so save(2) finds it still running and waits on it.
-        ckpt.storage = FaultyStorage(run, "commit", times=1, delay_s=0.5)
+    # Step 1's write fails slowly, so save(2) finds it still running and waits on it.
+    slow = FaultyStorage(run, "commit", times=1, delay_s=0.5)
+    with manager(run, async_save=True, storage=slow) as ckpt:
         assert ckpt.save(1, parts.state)
         train_steps(parts, 1)
         with pytest.raises(stalwart.CheckpointSaveError, match="step 1"):

@@ -80,7 +80,7 @@ def _manager(run: Path, mode: str, tier: Path | None = None) -> stalwart.Checkpo
     if mode == "async":
         kwargs["async_save"] = True
     if mode in TIERED and tier is not None:
-        kwargs.update(durable=tier.as_uri(), durable_retry=FAST, durable_keep_last=None)
+        kwargs["durable"] = stalwart.DurableConfig(url=tier.as_uri(), retry=FAST, keep_last=None)
     return stalwart.CheckpointManager(run, **kwargs)
 
 

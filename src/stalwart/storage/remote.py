@@ -224,7 +224,7 @@ class ObstoreClient:
             if scheme not in ("s3", "s3a"):
                 raise ValueError(
                     f"{self.url}: credentials in a {scheme}:// URL are not supported; pass "
-                    "them in durable_options or the environment"
+                    "them in DurableConfig.options or the environment"
                 )
             options.setdefault("access_key_id", unquote(parts.username or ""))
             options.setdefault("secret_access_key", unquote(parts.password or ""))

@@ -1,0 +1,243 @@
+"""Writing a checkpoint once the ranks decided to save: open, write, commit, account for it.
+
+The manager decides *whether* to save (policy, preemption, upload health: the
+first collective of a save). ``SaveWriter`` does the rest, on every rank: it
+opens the save (``pipeline.open_save``: the staging directory, the state
+collected on every rank, one collective), hands it to the commit protocol
+(``pipeline.write_and_commit``: two collectives) in the caller's thread or in
+the background writer, and on rank 0 records the ``save`` event, queues the
+step for the durable tier and applies local retention. It maps every failure to
+one ``CheckpointSaveError`` (or the user's own ``TypeError``/``ValueError``)
+with a ``save_failed`` event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from stalwart.distributed import Coordinator, RankError
+from stalwart.errors import CheckpointSaveError, CoordinationError
+from stalwart.events import EventLog
+from stalwart.pipeline import (
+    AsyncSaver,
+    OpenedSave,
+    SaveResult,
+    StagingArea,
+    open_save,
+    write_and_commit,
+)
+from stalwart.policy import RetentionPolicy
+from stalwart.provenance import Provenance
+from stalwart.retention import apply_retention
+from stalwart.state import TrainState
+from stalwart.storage.base import CheckpointStorage
+from stalwart.tiers import TierSync
+
+__all__ = ["SaveWriter", "peer_failure"]
+
+
+def peer_failure(events: EventLog, step: int | None, exc: CoordinationError) -> CheckpointSaveError:
+    """The error of a failed ``save`` collective, with its event: what happened first, in one line."""
+    message = str(exc)
+    if step is not None:
+        message += f"; the checkpoint of step {step} was not written"
+    events.emit("save_failed", logging.ERROR, step=step, error=message)
+    return CheckpointSaveError(message)
+
+
+class SaveWriter:
+    """Writes the saves the manager decided on (see the module docstring). Training thread only.
+
+    ``async_coord`` (a coordinator of its own, never the training thread's)
+    makes saves asynchronous: the state is staged into reused CPU buffers and
+    written by one background thread, at most one save in flight.
+    """
+
+    def __init__(
+        self,
+        storage: CheckpointStorage,
+        coord: Coordinator,
+        events: EventLog,
+        provenance: Provenance,
+        *,
+        retention: RetentionPolicy,
+        async_coord: Coordinator | None,
+    ) -> None:
+        self.storage = storage
+        self.coord = coord
+        self.async_coord = async_coord
+        self.events = events
+        self.provenance = provenance
+        self.retention = retention
+        self.world_size = coord.world_size
+        self.is_leader = coord.is_leader
+        self.async_save = async_coord is not None
+        self.background = AsyncSaver() if async_coord is not None else None
+        self.staging = StagingArea()
+        self.tiers: TierSync | None = None
+        """The durable link on rank 0, set by the manager once it exists."""
+        self.last_save_time = time.monotonic()
+        """When the last save was handed over (or the run restored): the time policy's clock."""
+        self.last_saved_step: int | None = None
+        """The newest step saved or restored by this run; saving it again is skipped."""
+
+    def save(
+        self, step: int, state: TrainState, metrics: dict[str, Any], *, emergency: bool
+    ) -> bool:
+        """Write the decided save of ``step`` (collective); False when it exists already.
+
+        Sync: returns after the commit. Async: after the staging copy (and
+        after the commit for an ``emergency`` save).
+        """
+        if self.background is not None:
+            # At most one save in flight: wait for the previous one before staging
+            # this one, and report its failure before this step is taken on.
+            self.background.wait()
+        t0 = time.perf_counter()
+        opened = self._open(step, state)
+        if opened is None:
+            return False
+        opened.state_dict = state.with_rank_values(opened.state_dict, opened.shared)
+        fields = self.provenance.fields(
+            state, world_size=self.world_size, hosts=opened.hosts, metrics=metrics
+        )
+        self.last_saved_step = step
+        if self.background is None:
+            result = self._write(opened, fields, self.coord)
+            self.last_save_time = time.monotonic()
+            stall = time.perf_counter() - t0
+            self._after_commit(
+                result, stall_s=stall, stage_s=0.0, total_s=stall, emergency=emergency
+            )
+            return True
+        stall = time.perf_counter() - t0
+        self.last_save_time = time.monotonic()
+        coord = self.async_coord
+        assert coord is not None
+
+        def job() -> SaveResult:
+            result = self._write(opened, fields, coord)
+            self._after_commit(
+                result,
+                stall_s=stall,
+                stage_s=stall,
+                total_s=time.perf_counter() - t0,
+                emergency=emergency,
+            )
+            return result
+
+        self.background.submit(job)
+        if emergency:
+            # A preempted job may be killed at any moment after the grace period:
+            # make the emergency checkpoint durable before returning.
+            self.background.wait()
+        return True
+
+    def _open(self, step: int, state: TrainState) -> OpenedSave | None:
+        """Collective 2: stage the directory, collect the state on every rank, agree; None: skip."""
+
+        def collect() -> tuple[dict[str, Any], dict[str, str]]:
+            staged = state.state_dict()
+            if self.background is not None:
+                staged = self.staging.stage(staged)
+            # Digests of the values that may differ between ranks (buffers, extra,
+            # stateful objects) travel in the same gather.
+            return staged, state.rank_digests(staged)
+
+        def exists() -> bool:
+            return step == self.last_saved_step or step in self.storage.committed_steps()
+
+        peer: list[RankError] = []
+
+        def from_peer(rep: RankError) -> BaseException:
+            peer.append(rep)
+            if rep.kind == "CheckpointSaveError":
+                return CheckpointSaveError(rep.message)
+            return CheckpointSaveError(
+                f"saving step {step} failed: rank {rep.rank} could not collect its state: "
+                f"{rep.kind}: {rep.message}"
+            )
+
+        try:
+            opened = open_save(
+                self.storage,
+                step,
+                collect,
+                exists=exists,
+                coordinator=self.coord,
+                remote=from_peer,
+            )
+        except CoordinationError as exc:
+            raise peer_failure(self.events, step, exc) from None
+        except Exception as exc:
+            if peer:
+                self.events.emit(
+                    "save_failed",
+                    logging.ERROR,
+                    step=step,
+                    error=f"{peer[0].kind}: {peer[0].message}",
+                    rank_failed=peer[0].rank,
+                )
+                raise
+            self.events.emit("save_failed", logging.ERROR, step=step, error=str(exc))
+            if isinstance(exc, (TypeError, ValueError, CheckpointSaveError)):
+                raise  # a mistake in what the user put in the state: show it as is
+            raise CheckpointSaveError(
+                f"saving step {step} failed: collecting the state raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if opened.staging is None:
+            self.events.emit(
+                "save_skipped",
+                logging.WARNING,
+                step=step,
+                reason="a checkpoint of this step already exists; checkpoints are never overwritten",
+            )
+            return None
+        return opened
+
+    def _write(self, opened: OpenedSave, fields: dict[str, Any], coord: Coordinator) -> SaveResult:
+        """Collectives 3 and 4: write and commit (``pipeline.write_and_commit``), in any thread."""
+        try:
+            return write_and_commit(self.storage, opened, fields, coordinator=coord)
+        except CheckpointSaveError as exc:
+            self.events.emit("save_failed", logging.ERROR, step=opened.step, error=str(exc))
+            if self.last_saved_step == opened.step:
+                self.last_saved_step = None
+            raise
+
+    def _after_commit(
+        self, result: SaveResult, *, stall_s: float, stage_s: float, total_s: float, emergency: bool
+    ) -> None:
+        if not self.is_leader:
+            return
+        self.events.emit(
+            "save",
+            step=result.step,
+            path=str(result.path),
+            bytes=result.bytes,
+            files=result.files,
+            async_save=self.async_save,
+            stall_s=round(stall_s, 6),
+            stage_s=round(stage_s, 6),
+            total_s=round(total_s, 6),
+            throughput_MBps=round(
+                result.bytes / 1e6 / max(result.write_s + result.checksum_s, 1e-9), 1
+            ),
+            emergency=emergency,
+            **result.timings(),
+        )
+        if self.tiers is not None:
+            self.tiers.committed(result.step, emergency=emergency)
+        self.apply_retention()
+
+    def apply_retention(self) -> None:
+        """Delete what the local retention lets go, never a step not yet durable. Rank 0, any thread."""
+        guard: contextlib.AbstractContextManager[set[int]] = (
+            self.tiers.holding() if self.tiers is not None else contextlib.nullcontext(set())
+        )
+        with guard as protected:
+            apply_retention(self.storage, self.retention, self.events, protected=protected)
