@@ -1,5 +1,8 @@
 """stage -> write -> checksum -> commit, and the verified load that mirrors it.
 
+The staging copy and the background writer live in ``stalwart.staging``, the
+manifest and file checks in ``stalwart.verify``; their names are re-exported here.
+
 The commit protocol lives in ``write_and_commit`` and nowhere else, after
 ``open_save`` created the staging directory and every rank collected its state
 (one collective); ``commit_checkpoint`` is its publishing step. Saving runs
@@ -9,9 +12,7 @@ one background thread (async); both run the same ``write_and_commit``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import copy
 import dataclasses
 import os
 import re
@@ -23,33 +24,27 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from stalwart.distributed import Coordinator, RankError
 from stalwart.errors import (
-    CheckpointCorruptError,
-    CheckpointNotFoundError,
     CheckpointSaveError,
     CoordinationError,
     StalwartError,
     StateMismatchError,
 )
 from stalwart.manifest import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
     hash_file,
-    open_checkpoint_file,
 )
 from stalwart.restore_protocol import Restorable
 from stalwart.safe_load import read_dcp_metadata, safe_load
-from stalwart.state.plain import ATOMIC
+from stalwart.staging import AsyncSaver, StagingArea, stage_state_dict
 from stalwart.storage.base import CheckpointStorage
-from stalwart.storage.local import step_of_dir_name
+from stalwart.verify import FileProblem, file_problems, read_manifest, verify_checkpoint
 
 __all__ = [
     "AsyncSaver",
@@ -75,8 +70,6 @@ WRITER_THREADS = 1
 raised in any of its threads but the caller's: an I/O error there (EFBIG, ENOSPC)
 ends that thread, its files miss items, and ``dcp.save`` returns as if it had
 succeeded. One thread keeps every error on the caller's side."""
-VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
-"""Files of one checkpoint read and hashed at the same time when verifying."""
 _CRC_LOCK = threading.Lock()
 _CRC_USERS = 0
 _CRC_BEFORE = True
@@ -142,106 +135,6 @@ class SaveResult:
 
 
 # --------------------------------------------------------------------------- save
-
-
-class StagingArea:
-    """Reusable CPU buffers that hold one staged copy of the state for an async save.
-
-    The buffers are allocated at the first save (pinned when the source is on a
-    GPU, so the device-to-host copy runs at full speed without a bounce buffer)
-    and overwritten by every later save of a state with the same layout; a
-    buffer the state no longer needs is dropped. Peak extra host memory is so
-    one copy of the state, whatever the number of saves. Not thread-safe: the
-    caller makes sure the previous save finished reading the buffers before
-    staging the next one (``AsyncSaver`` keeps at most one save in flight).
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-    def stage(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into the buffers; returns the staged state dict."""
-        used: set[tuple[Any, ...]] = set()
-        cuda_copies = False
-        # CPU-to-CPU copies are batched into one foreach call: 192 single copy_
-        # calls cost about 1 ms of dispatch at 64 MiB.
-        cpu_dst: list[torch.Tensor] = []
-        cpu_src: list[torch.Tensor] = []
-
-        def buffer_for(path: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
-            nonlocal cuda_copies
-            on_gpu = t.device.type == "cuda"
-            key = (path, t.shape, t.dtype)
-            buf = self._buffers.get(key)
-            if buf is None:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)
-                self._buffers[key] = buf
-            used.add(key)
-            if on_gpu:
-                buf.copy_(t, non_blocking=True)
-                cuda_copies = True
-            elif t.device.type == "cpu" and t.layout == torch.strided:
-                cpu_dst.append(buf)
-                cpu_src.append(t)
-            else:
-                buf.copy_(t)
-            return buf
-
-        def copy_value(path: tuple[Any, ...], value: Any) -> Any:
-            kind = type(value)
-            if kind in ATOMIC:
-                return value  # immutable: nothing to copy
-            if kind is list and all(type(v) in ATOMIC for v in value):
-                return list(value)  # e.g. the parameter ids of an optimizer's param_groups
-            if isinstance(value, torch.Tensor):
-                if _is_dtensor(value):
-                    # A sharded tensor keeps its layout: DCP needs it to write this
-                    # rank's shard. Copy it whole (no buffer reuse for these).
-                    return value.detach().to("cpu", copy=True)
-                return buffer_for(path, value)
-            if isinstance(value, Mapping):
-                return {k: copy_value((*path, k), v) for k, v in value.items()}
-            if isinstance(value, list):
-                return [copy_value((*path, i), v) for i, v in enumerate(value)]
-            if isinstance(value, tuple):
-                return tuple(copy_value((*path, i), v) for i, v in enumerate(value))
-            return copy.deepcopy(value)
-
-        with torch.no_grad():
-            staged = copy_value((), state_dict)
-            if cpu_dst:
-                torch._foreach_copy_(cpu_dst, cpu_src)
-        for key in list(self._buffers):
-            if key not in used:
-                del self._buffers[key]
-        if cuda_copies:
-            torch.cuda.synchronize()
-        assert isinstance(staged, dict)
-        return staged
-
-
-def stage_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A private CPU copy of ``state_dict`` in fresh memory (see ``StagingArea`` to reuse it)."""
-    return StagingArea().stage(state_dict)
-
-
-def _dtensor_class() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed tensors
-        return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_class()
-
-
-def _is_dtensor(value: torch.Tensor) -> bool:
-    return _DTENSOR is not None and isinstance(value, _DTENSOR)
 
 
 def _owned(name: str, rank: int | None, leader: bool) -> bool:
@@ -509,209 +402,7 @@ def _find_os_error(exc: BaseException | None) -> OSError | None:
     return None
 
 
-class AsyncSaver:
-    """One background thread that writes and commits staged checkpoints, one at a time.
-
-    ``submit`` is called from the training thread after staging; it first waits
-    for the previous save, so at most one save is in flight and at most one
-    staged copy exists. A background failure is kept and raised, chained, by the
-    next ``submit``, ``wait`` or ``close`` (it never disappears).
-    """
-
-    def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="stalwart-save"
-        )
-        self._pending: concurrent.futures.Future[Any] | None = None
-
-    @property
-    def busy(self) -> bool:
-        return self._pending is not None and not self._pending.done()
-
-    def submit(self, job: Callable[[], Any]) -> None:
-        self.wait()
-        self._pending = self._pool.submit(job)
-
-    def wait(self) -> Any:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        try:
-            return pending.result()
-        except CheckpointSaveError:
-            raise
-        except Exception as exc:
-            raise CheckpointSaveError(
-                f"background save failed: {type(exc).__name__}: {exc}"
-            ) from exc
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._pool.shutdown(wait=True)
-
-
 # --------------------------------------------------------------------------- load
-
-
-def read_manifest(path: Path) -> Manifest:
-    """Read and validate ``<path>/MANIFEST.json``, and check it belongs to ``path``.
-
-    The manifest is read without following a link and only if it is a regular
-    file of at most ``MAX_MANIFEST_BYTES``. In a directory named like a step
-    (``step_000000200``) the manifest must record that step: an older step
-    renamed or copied to a newer name is corrupt, not restored as the newer one.
-    Raises ``CheckpointNotFoundError`` without a manifest, ``CheckpointCorruptError``
-    (transient for an I/O error) or ``UnsupportedFormatError``.
-    """
-    manifest_path = path / MANIFEST_NAME
-    where = str(manifest_path)
-    try:
-        with open_checkpoint_file(path, MANIFEST_NAME) as (stream, _size):
-            # One byte past the limit is enough to know it is too large.
-            text = stream.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(
-            f"{path} is not a committed checkpoint (no {MANIFEST_NAME})"
-        ) from exc
-    except OSError as exc:
-        raise CheckpointCorruptError(
-            f"{manifest_path}: cannot read ({exc.strerror or exc})", path=where, transient=True
-        ) from exc
-    manifest = Manifest.from_json(text, source=where)
-    named = step_of_dir_name(path.name)
-    if named is not None and named != manifest.step:
-        raise CheckpointCorruptError(
-            f"{manifest_path}: says step {manifest.step}, but the directory is "
-            f"{path.name} (step {named}); a checkpoint renamed or copied to another "
-            "step's name is not that step",
-            path=where,
-        )
-    return manifest
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class FileProblem:
-    """One file of a checkpoint that does not match its manifest."""
-
-    file: str
-    """Path relative to the checkpoint directory."""
-    reason: str
-    transient: bool = False
-    """True when the file could not be read (an I/O error that may pass)."""
-    cause: OSError | None = None
-    """The I/O error behind a transient problem."""
-
-    def error(self, checkpoint: Path) -> CheckpointCorruptError:
-        """The problem as an exception, its ``cause`` chained."""
-        where = checkpoint / self.file
-        error = CheckpointCorruptError(
-            f"{where}: {self.reason}", path=str(where), transient=self.transient
-        )
-        error.__cause__ = self.cause
-        return error
-
-
-def file_problems(
-    path: Path,
-    manifest: Manifest,
-    *,
-    checksums: bool = True,
-    part: tuple[int, int] = (0, 1),
-    first_only: bool = False,
-    advance: Callable[[int], None] | None = None,
-) -> list[FileProblem]:
-    """Every file of ``manifest`` against the disk: sizes of all, then xxh3-128 checksums.
-
-    The one place the file checks live: restore stops at the first problem
-    (``first_only``), ``stalwart verify`` and ``ls --verify`` report them all.
-    ``part=(rank, world_size)`` checksums only every world_size-th file, so that
-    ranks share the reading. ``advance(n)`` is told the bytes of each file hashed.
-    """
-    problems: list[FileProblem] = []
-    sized: set[str] = set()
-    for entry in manifest.files:
-        try:
-            # Opened, not stat()ed: stat would follow a link out of the checkpoint.
-            with open_checkpoint_file(path, entry.path) as (_stream, size):
-                pass
-        except FileNotFoundError:
-            problems.append(FileProblem(entry.path, "missing (listed in the manifest)"))
-        except CheckpointCorruptError as exc:
-            problems.append(FileProblem(entry.path, str(exc).removeprefix(f"{exc.path}: ")))
-        except OSError as exc:
-            problems.append(
-                FileProblem(entry.path, f"cannot read ({exc.strerror or exc})", True, exc)
-            )
-        else:
-            if size == entry.size:
-                sized.add(entry.path)
-                continue
-            problems.append(
-                FileProblem(
-                    entry.path,
-                    f"size {size} bytes, manifest says {entry.size} (truncated or overwritten)",
-                )
-            )
-        if first_only:
-            return problems
-    if not checksums:
-        return problems
-    rank, world = part
-    mine = [entry for entry in manifest.files[rank::world] if entry.path in sized]
-
-    def check(entry: FileEntry) -> FileProblem | None:
-        try:
-            _size, digest = hash_file(entry.path, within=path)
-        except CheckpointCorruptError as exc:
-            return FileProblem(entry.path, str(exc).removeprefix(f"{exc.path}: "))
-        except OSError as exc:
-            return FileProblem(entry.path, f"cannot read ({exc.strerror or exc})", True, exc)
-        finally:
-            if advance is not None:
-                advance(entry.size)
-        if digest == entry.xxh3_128:
-            return None
-        return FileProblem(
-            entry.path,
-            f"checksum mismatch (xxh3-128 {digest}, manifest says {entry.xxh3_128}); "
-            "the file is damaged",
-        )
-
-    # Files are read and hashed side by side (xxh3 and file reads release the GIL),
-    # so a checkpoint of several files verifies at the disk's speed, not one file's.
-    workers = min(len(mine), VERIFY_THREADS)
-    pool = (
-        concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="stalwart-verify")
-        if workers > 1
-        else None
-    )
-    try:
-        for problem in pool.map(check, mine) if pool is not None else map(check, mine):
-            if problem is not None:
-                problems.append(problem)
-                if first_only:
-                    break
-    finally:
-        if pool is not None:
-            # After the first problem, files not yet started are not read at all.
-            pool.shutdown(wait=True, cancel_futures=True)
-    return problems
-
-
-def verify_checkpoint(
-    path: Path, *, checksums: bool = True, part: tuple[int, int] = (0, 1)
-) -> Manifest:
-    """Check every file against the manifest (size, then xxh3-128) before anything is deserialized.
-
-    Raises ``CheckpointCorruptError`` naming the first bad file.
-    """
-    manifest = read_manifest(path)
-    problems = file_problems(path, manifest, checksums=checksums, part=part, first_only=True)
-    if problems:
-        raise problems[0].error(path)
-    return manifest
 
 
 def _agree(coord: Coordinator, what: Callable[[], T]) -> T:

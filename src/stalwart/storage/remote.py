@@ -35,6 +35,7 @@ import os
 import random
 import re
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -395,6 +396,7 @@ class FsspecClient:
         self._fs = fs
         self._root = str(root).rstrip("/")
         self._local = isinstance(fs, LocalFileSystem)
+        self._mkdir_lock = threading.Lock()
 
     def redact(self, text: str) -> str:
         return redact_text(text, self._secrets)
@@ -423,7 +425,11 @@ class FsspecClient:
     def _mkdirs(self, path: str) -> None:
         parent = path.rsplit("/", 1)[0]
         if parent:
-            self._fs.makedirs(parent, exist_ok=True)
+            # One thread at a time: the parallel uploads of one step would otherwise
+            # race to create the same parents, and which mkdir(2) calls happen would
+            # depend on timing.
+            with self._mkdir_lock:
+                self._fs.makedirs(parent, exist_ok=True)
 
     def _write_local(self, path: str, chunks: Iterable[bytes], *, create_only: bool) -> None:
         # Write a private file, fsync it, then publish it with link(2) (create-only,
