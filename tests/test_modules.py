@@ -57,3 +57,15 @@ def test_moved_names_stay_importable_where_they_were_public():
     assert safe_load.read_dcp_metadata is dcp_metadata.read_dcp_metadata
     assert "read_dcp_metadata" in safe_load.__all__
     assert stalwart.ResumableDataLoader is loader.ResumableDataLoader
+
+
+def test_nothing_below_imports_the_integrations():
+    importers = [
+        str(path.relative_to(SRC))
+        for path in sorted(SRC.rglob("*.py"))
+        if "integrations" not in path.parts
+        for module, name in stalwart_imports(path)
+        if module.startswith("stalwart.integrations")
+        or (module, name) == ("stalwart", "integrations")
+    ]
+    assert importers == []
