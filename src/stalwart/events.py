@@ -21,12 +21,12 @@ import json
 import logging
 import os
 import socket
-import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stalwart.files import not_regular
 from stalwart.layout import EVENTS_NAME
 
 __all__ = [
@@ -120,47 +120,29 @@ def open_regular(path: Path, flags: int) -> int:
     """
     # lstat first: opening a device node can have effects of its own; the fstat
     # below still decides, for an entry swapped in between.
-    what = _what(os.lstat(path)) if os.path.lexists(path) else None
+    what = not_regular(os.lstat(path)) if os.path.lexists(path) else None
     if what is not None:
-        raise _not_regular(path, what, errno.EINVAL)
+        raise _refusal(path, what, errno.EINVAL)
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
     except OSError as exc:
         # ELOOP for a link, ENXIO for a FIFO without a reader: swapped in meanwhile.
         if exc.errno in (errno.ELOOP, errno.ENXIO):
-            raise _not_regular(path, "not a regular file", exc.errno) from exc
+            raise _refusal(path, "not a regular file", exc.errno) from exc
         raise
-    info = os.fstat(fd)
-    what = _what(info)
-    if what is None and flags & (os.O_WRONLY | os.O_RDWR) and info.st_nlink > 1:
-        what = f"a hard link ({info.st_nlink} names for one file)"
+    what = not_regular(os.fstat(fd), writing=bool(flags & (os.O_WRONLY | os.O_RDWR)))
     if what is not None:
         os.close(fd)
-        raise _not_regular(path, what, errno.EINVAL)
+        raise _refusal(path, what, errno.EINVAL)
     os.set_blocking(fd, True)
     return fd
 
 
-def _not_regular(path: Path, what: str, code: int) -> NotRegularFileError:
+def _refusal(path: Path, what: str, code: int) -> NotRegularFileError:
     return NotRegularFileError(
         code,
         f"{path} is {what}, not a regular file; stalwart does not use it: remove it",
     )
-
-
-def _what(info: os.stat_result) -> str | None:
-    """What a non-regular file is (``"a symbolic link"``, ...); None for a regular file."""
-    if stat.S_ISREG(info.st_mode):
-        return None
-    if stat.S_ISLNK(info.st_mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(info.st_mode):
-        return "a FIFO"
-    if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
-        return "a device"
-    if stat.S_ISDIR(info.st_mode):
-        return "a directory"
-    return "not a regular file"
 
 
 @dataclasses.dataclass(slots=True)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.errors import RunLockedError
+from stalwart.files import not_regular
 from stalwart.layout import LOCK_NAME
 
 __all__ = ["LOCK_NAME", "RunLock", "lock_file_problem", "read_lock_holder"]
@@ -136,7 +137,7 @@ def _open_lock(path: Path) -> int:
             raise
         raise _unsafe(path, problem) from exc
     info = os.fstat(fd)
-    problem = _file_problem(info)
+    problem = not_regular(info, writing=True)
     if problem is not None:
         os.close(fd)
         raise _unsafe(path, problem)
@@ -152,23 +153,6 @@ def _unsafe(path: Path, problem: str) -> RunLockedError:
     )
 
 
-def _file_problem(info: os.stat_result) -> str | None:
-    if stat.S_ISLNK(info.st_mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(info.st_mode):
-        return "a FIFO"
-    if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
-        return "a device"
-    if stat.S_ISSOCK(info.st_mode):
-        return "a socket"
-    if not stat.S_ISREG(info.st_mode):
-        return "not a regular file"
-    if info.st_nlink > 1:
-        # A hard link to a file elsewhere would be truncated like the link itself.
-        return f"a hard link ({info.st_nlink} names for one file)"
-    return None
-
-
 def lock_file_problem(directory: Path) -> str | None:
     """Why ``<directory>/.lock`` may not be used as a lock file (``"a symbolic link"``,
     ``"a FIFO"``, ...), or None when it is a plain file or absent. Only ``lstat``."""
@@ -176,7 +160,7 @@ def lock_file_problem(directory: Path) -> str | None:
         info = os.lstat(directory / LOCK_NAME)
     except OSError:
         return None
-    return _file_problem(info)
+    return not_regular(info, writing=True)
 
 
 def read_lock_holder(directory: Path) -> dict[str, Any]:

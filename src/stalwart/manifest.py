@@ -43,6 +43,7 @@ from typing import Any
 import xxhash
 
 from stalwart.errors import CheckpointCorruptError, UnsupportedFormatError
+from stalwart.files import not_regular
 from stalwart.layout import MANIFEST_NAME
 
 __all__ = [
@@ -122,7 +123,7 @@ def open_checkpoint_file(
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise CheckpointCorruptError(
-                f"{where}: not a regular file ({_file_kind(info.st_mode)}); a checkpoint "
+                f"{where}: not a regular file ({not_regular(info)}); a checkpoint "
                 "holds only regular files",
                 path=where,
             )
@@ -133,19 +134,6 @@ def open_checkpoint_file(
         raise
     with stream:
         yield stream, info.st_size
-
-
-def _file_kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return f"file mode {mode:o}"
 
 
 def hash_file(
