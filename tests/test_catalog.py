@@ -166,7 +166,7 @@ def test_plan_gc_plans_only_old_leftovers_and_touches_nothing(run):
 
 def test_list_store_and_plan_store_gc_on_a_file_url(tmp_path):
     url = (tmp_path / "store").as_uri()
-    save_steps(tmp_path / "run", range(1, 3), durable=url, durable_retry=FAST)
+    save_steps(tmp_path / "run", range(1, 3), durable=stalwart.DurableConfig(url=url, retry=FAST))
     tier = DurableTier(url, retry=FAST)
     incomplete = "step_000000009/data-00000000000000aa/__0_0.distcp"
     tier.client.put_bytes(incomplete, b"z" * 100)
