@@ -12,6 +12,10 @@ EXPECTED = {
     "CoordinationError",
     "DurableConfig",
     "DurableStoreError",
+    "Guard",
+    "GuardDecision",
+    "GuardLimitError",
+    "GuardPolicy",
     "ResumableDataLoader",
     "ResumableSampler",
     "RetryPolicy",
@@ -49,6 +53,7 @@ def test_every_error_derives_from_stalwart_error_and_a_builtin():
         "RunLockedError": RuntimeError,
         "CommitConflictError": RuntimeError,
         "DurableStoreError": OSError,
+        "GuardLimitError": RuntimeError,
     }
     for name, builtin in builtins.items():
         cls = getattr(errors, name)

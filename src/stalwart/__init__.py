@@ -21,12 +21,14 @@ from stalwart.errors import (
     CommitConflictError,
     CoordinationError,
     DurableStoreError,
+    GuardLimitError,
     RunLockedError,
     StalwartError,
     StateMismatchError,
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
+from stalwart.guard import Guard, GuardDecision, GuardPolicy
 from stalwart.loader import ResumableDataLoader
 from stalwart.manager import CheckpointManager
 from stalwart.sampler import ResumableSampler
@@ -43,6 +45,10 @@ __all__ = [
     "CoordinationError",
     "DurableConfig",
     "DurableStoreError",
+    "Guard",
+    "GuardDecision",
+    "GuardLimitError",
+    "GuardPolicy",
     "ResumableDataLoader",
     "ResumableSampler",
     "RetryPolicy",

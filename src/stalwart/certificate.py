@@ -414,6 +414,7 @@ class Certificate:
         self.verdict: Verdict | None = None
         """The agreed verdict of the last restore, once known (None before)."""
         self._pruned = False
+        self._last_recorded = -1
 
     def _prune(self) -> None:
         names = [n for n in _attempt_names(self.folder) if n != self.attempt]
@@ -427,7 +428,22 @@ class Certificate:
     # --- after a restore -------------------------------------------------------------
 
     def expect(self, restored: int) -> None:
-        """Start verifying the steps after ``restored`` against the newest earlier attempt that ran them."""
+        """Start verifying the steps after ``restored`` against the newest earlier attempt that ran them.
+
+        A restore within this attempt after it restored once, or after it
+        recorded a step past ``restored``, is a deliberate rollback
+        (``stalwart.Guard``), not a resume: the steps after it are trained on
+        other data by design. Then only the steps up to ``restored`` still count
+        for a comparison in progress, and no new one starts.
+        """
+        if self._restored is not None or self._last_recorded > restored:
+            self._expected = {s: fp for s, fp in self._expected.items() if s <= restored}
+            self._last_expected = min(self._last_expected, restored)
+            self._skip_reason = (
+                f"a rollback to step {restored} within this attempt came before any redone "
+                "step was compared"
+            )
+            return
         self._expected, self._last_expected = {}, -1
         self._through, self._seen, self._divergence, self._skip_reason = -1, -1, None, None
         self._restored, self.verdict = restored, None
@@ -469,6 +485,7 @@ class Certificate:
             self._pruned = True
             self._prune()
         self._log.append(fp.to_json())
+        self._last_recorded = max(self._last_recorded, step)
         if not self.active or self._divergence is not None:
             return
         self._seen = max(self._seen, step)

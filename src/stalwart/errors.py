@@ -14,6 +14,7 @@ working::
     │   └── CommitConflictError             another writer committed the same step first
     ├── CoordinationError(StalwartError, RuntimeError)   ranks could not agree in time
     ├── RunLockedError(StalwartError, RuntimeError)
+    ├── GuardLimitError(StalwartError, RuntimeError)   bad steps kept coming (stalwart.Guard)
     └── DurableStoreError(StalwartError, OSError)   the object store failed or refused
 
 Backend errors (``OSError`` from the filesystem, DCP's ``CheckpointException``,
@@ -31,6 +32,7 @@ __all__ = [
     "CommitConflictError",
     "CoordinationError",
     "DurableStoreError",
+    "GuardLimitError",
     "RunLockedError",
     "StalwartError",
     "StateMismatchError",
@@ -91,6 +93,13 @@ class CoordinationError(StalwartError, RuntimeError):
 
 class RunLockedError(StalwartError, RuntimeError):
     """Another live process holds the single-writer lock on the run directory."""
+
+
+class GuardLimitError(StalwartError, RuntimeError):
+    """``stalwart.Guard`` met more bad steps than its policy allows within its window.
+
+    Raised on every rank at the same step, after a ``guard_limit`` event.
+    """
 
 
 class CommitConflictError(CheckpointSaveError):
