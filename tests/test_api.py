@@ -25,6 +25,7 @@ EXPECTED = {
     "TrainState",
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
+    "Watchdog",
     "__version__",
     "init_distributed",
     "shutdown_distributed",

@@ -35,6 +35,7 @@ from stalwart.sampler import ResumableSampler
 from stalwart.state import TrainState
 from stalwart.storage.remote import RetryPolicy
 from stalwart.tiers import DurableConfig
+from stalwart.watchdog import Watchdog
 
 __all__ = [
     "CheckpointCorruptError",
@@ -58,6 +59,7 @@ __all__ = [
     "TrainState",
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
+    "Watchdog",
     "__version__",
     "init_distributed",
     "shutdown_distributed",

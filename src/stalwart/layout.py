@@ -11,6 +11,7 @@ Plain data and string parsing only (no I/O, no torch), so every layer may import
       .step_000000300.corrupt-<hex>/  moved aside by restore after it failed verification
       events.jsonl                    one JSON line per save/restore/skip
       fingerprints/                   per-rank step fingerprints (the exact-resume certificate)
+      watchdog/rank00001-<ns>.txt     thread stacks of a rank whose hang watchdog fired
       .lock                           the run lock
 
     s3://bucket/prefix/
@@ -34,6 +35,7 @@ __all__ = [
     "FINGERPRINT_DIR",
     "LOCK_NAME",
     "MANIFEST_NAME",
+    "WATCHDOG_DIR",
     "CheckpointName",
     "HiddenKind",
     "hidden_name",
@@ -51,6 +53,8 @@ EVENTS_NAME = "events.jsonl"
 """The run's event log, one JSON object a line."""
 FINGERPRINT_DIR = "fingerprints"
 """Per-rank fingerprint logs of the exact-resume certificate."""
+WATCHDOG_DIR = "watchdog"
+"""Thread stacks dumped by ``stalwart.Watchdog``, one file per rank and firing."""
 LOCK_NAME = ".lock"
 """The run lock a writing manager (or ``stalwart gc``) holds."""
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -174,6 +174,8 @@ class CheckpointManager:
         self._closed = False
         self.resharded: bool | None = None
         """After ``restore``: True when the checkpoint was written at another world size."""
+        self.heartbeats: list[Callable[[int], None]] = []
+        """Called with the step at the start of every ``save`` (``stalwart.Watchdog`` registers here)."""
         self._signals = PreemptionSignals()
         self._preempted = False
         if handle_signals:
@@ -321,6 +323,8 @@ class CheckpointManager:
         if not isinstance(state, TrainState):
             raise TypeError(f"state must be a stalwart.TrainState, got {type(state).__name__}")
         metrics_json = to_json_data(dict(metrics or {}), what="metrics")
+        for beat in self.heartbeats:
+            beat(step)
         if self._saver is not None and not self._saver.busy:
             self._saver.wait()  # surface a failure of the previous background save now
         uploader = None if self._tiers is None else self._tiers.uploader

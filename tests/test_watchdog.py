@@ -1,0 +1,118 @@
+"""The hang watchdog in one process: stacks on disk, an event, a non-zero exit; heartbeats keep it quiet."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import stalwart
+from stalwart.events import read_events
+from stalwart.layout import WATCHDOG_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+
+_HANGS = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    import stalwart
+
+    def stuck_in_user_code():
+        time.sleep(3600)
+
+    state = stalwart.TrainState(model=torch.nn.Linear(2, 2))
+    with stalwart.CheckpointManager(sys.argv[1], every_steps=2) as ckpt:
+        with stalwart.Watchdog(ckpt, timeout=1.0, grace=0.2):
+            for step in range(1, 4):
+                ckpt.save(step, state)
+            print("hanging", flush=True)
+            stuck_in_user_code()
+    """
+)
+
+
+def watchdog_events(run: Path) -> list[dict]:
+    return [e for e in read_events(run) if e["event"] == "watchdog"]
+
+
+def test_a_hang_in_user_code_dumps_the_stacks_and_exits_non_zero(tmp_path: Path) -> None:
+    script = tmp_path / "hangs.py"
+    script.write_text(_HANGS)
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    began = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script), str(run)], capture_output=True, text=True, env=env, timeout=60
+    )
+    took = time.monotonic() - began
+    assert proc.returncode == 124, proc.stderr
+    assert "hanging" in proc.stdout
+    assert took < 30, took
+    (dump,) = (run / WATCHDOG_DIR).iterdir()
+    assert dump.name.startswith("rank00000-")
+    text = dump.read_text()
+    assert "made no progress" in text and "last heartbeat at step 3" in text
+    assert "in stuck_in_user_code" in text and "Current thread" in text
+    (event,) = watchdog_events(run)
+    assert event["step"] == 3 and event["exit_code"] == 124 and event["timeout"] == 1.0
+    assert event["stacks"] == f"{WATCHDOG_DIR}/{dump.name}"
+    assert event["silent_s"] >= 1.0
+
+
+def test_saves_beat_the_heart(tmp_path: Path) -> None:
+    """A loop slower than the poll but faster than the timeout never fires."""
+    run = tmp_path / "run"
+    state = stalwart.TrainState(model=torch.nn.Linear(2, 2))
+    with stalwart.CheckpointManager(run, every_steps=100) as ckpt:
+        with stalwart.Watchdog(ckpt, timeout=0.6, exit_code=None, poll=0.05) as dog:
+            for step in range(1, 13):
+                time.sleep(0.1)
+                ckpt.save(step, state)
+        assert dog.fired == [] and ckpt.heartbeats == []
+    assert watchdog_events(run) == [] and not (run / WATCHDOG_DIR).exists()
+
+
+def test_record_only_fires_once_per_silence(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    state = stalwart.TrainState(model=torch.nn.Linear(2, 2))
+    with stalwart.CheckpointManager(run) as ckpt:
+        with stalwart.Watchdog(ckpt, timeout=0.2, exit_code=None, poll=0.02) as dog:
+            time.sleep(0.6)  # one silence: one dump
+            ckpt.save(1, state)
+            time.sleep(0.6)  # another
+            dog.heartbeat()
+    assert len(dog.fired) == 2
+    assert [e["step"] for e in watchdog_events(run)] == [None, 1]
+    assert "in test_record_only_fires_once_per_silence" in dog.fired[0].read_text()
+
+
+def test_an_explicit_heartbeat_counts(tmp_path: Path) -> None:
+    with stalwart.CheckpointManager(tmp_path / "run") as ckpt:
+        with stalwart.Watchdog(ckpt, timeout=0.3, exit_code=None, poll=0.02) as dog:
+            for _ in range(10):
+                time.sleep(0.08)
+                dog.heartbeat(7)
+            assert dog.silent_for < 0.3
+        assert dog.fired == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"timeout": 0}, "timeout must be a number of seconds > 0, got 0"),
+        ({"timeout": 5, "grace": -1}, "grace must be a number of seconds >= 0"),
+        ({"timeout": 5, "exit_code": 0}, "exit_code must be an int in 1..255"),
+    ],
+)
+def test_bad_settings_name_the_field(tmp_path: Path, kwargs: dict, fragment: str) -> None:
+    with stalwart.CheckpointManager(tmp_path / "run") as ckpt:
+        with pytest.raises(ValueError, match=fragment.replace(".", r"\.")):
+            stalwart.Watchdog(ckpt, **kwargs)
+        assert ckpt.heartbeats == []
