@@ -212,6 +212,11 @@ class Guard:
     # ------------------------------------------------------------------ check
 
     @property
+    def collectives(self) -> int:
+        """Collectives the guard ran (one all-reduce per ``check``; none in a single process)."""
+        return self._coord.collectives
+
+    @property
     def median(self) -> float | None:
         """The median of this rank's recent accepted losses (None before any)."""
         if not self._sorted:
