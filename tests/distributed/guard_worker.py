@@ -83,7 +83,7 @@ def main() -> int:
         while step < args.steps:
             x, y, idx = next(batches)
             if FIRST_ATTEMPT and rank == args.hang_rank and step + 1 == args.hang_step:
-                say(f"rank {rank} hangs at step {step + 1}")
+                say(f"rank {rank} hangs at step {step + 1} at {time.time():.3f}")
                 hang_in_user_code()
             loss = torch.nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
