@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 import stalwart
 from stalwart.events import read_events
 
-from .conftest import assert_same, make_parts, seed_all
+from .conftest import assert_same, cli, make_parts, seed_all
 
 
 class Poisoned(torch.utils.data.Dataset):
@@ -268,3 +269,28 @@ def test_a_loss_that_is_not_a_scalar_is_refused(tmp_path: Path) -> None:
                 ValueError, match=r"loss must be a scalar, got a tensor of shape \(2,\)"
             ):
                 guard.check(1, torch.ones(2))
+
+
+def test_ls_and_report_show_the_rollback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    train(run, steps=30, bad=37)
+    code, out, _ = cli(capsys, "ls", run)
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("guard at step 19: "))
+    assert line.startswith("guard at step 19: rollback to step 15 (spike on rank 0: loss ")
+    assert line.endswith("; skipped samples from epoch 0 position 30 to epoch 0 position 38 (8)")
+    code, out, _ = cli(capsys, "ls", run, "--json")
+    report = json.loads(out)
+    (incident,) = report["incidents"]
+    assert (incident["event"], incident["action"], incident["restored_step"]) == (
+        "guard", "rollback", 15,
+    )  # fmt: skip
+    (resume,) = report["resumes"]  # checkpoint 15 itself is gone by now (keep_last=2)
+    assert (resume["restored_step"], resume["mark"]) == (15, "rollback")
+    code, out, _ = cli(capsys, "report", run, "--json", "--out", tmp_path / "report")
+    summary = json.loads(out)["summary"]
+    (problem,) = summary["problems"]
+    assert problem["event"] == "guard" and problem["detail"] == incident["message"]
+    assert [r["resume"] for r in summary["restores"]] == ["rollback (guard)"]

@@ -16,6 +16,8 @@ import stalwart
 from stalwart.events import read_events
 from stalwart.layout import WATCHDOG_DIR
 
+from .conftest import cli
+
 REPO = Path(__file__).resolve().parents[1]
 
 _HANGS = textwrap.dedent(
@@ -116,3 +118,20 @@ def test_bad_settings_name_the_field(tmp_path: Path, kwargs: dict, fragment: str
         with pytest.raises(ValueError, match=fragment.replace(".", r"\.")):
             stalwart.Watchdog(ckpt, **kwargs)
         assert ckpt.heartbeats == []
+
+
+def test_ls_shows_where_the_watchdog_left_the_stacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    state = stalwart.TrainState(model=torch.nn.Linear(2, 2))
+    with stalwart.CheckpointManager(run) as ckpt:
+        with stalwart.Watchdog(ckpt, timeout=0.2, exit_code=None, poll=0.02) as dog:
+            ckpt.save(1, state)
+            time.sleep(0.5)
+    (stacks,) = dog.fired
+    code, out, _ = cli(capsys, "ls", run)
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("watchdog at step 1: "))
+    assert "rank 0 made no progress for " in line
+    assert line.endswith(f"after step 1 (timeout 0.2 s); stacks in watchdog/{stacks.name}")

@@ -36,7 +36,9 @@ from stalwart.cli.common import (
     read_history,
     store_error,
 )
+from stalwart.cli.timeline import INCIDENT_EVENTS, describe_incident
 from stalwart.errors import DurableStoreError
+from stalwart.events import read_events
 from stalwart.history import DurableHistory, RunHistory
 from stalwart.redact import redact_url
 from stalwart.storage.durable import DurableTier
@@ -60,6 +62,14 @@ resumed (the exact-resume certificate, from events.jsonl):
   unverified       nothing to compare (no lost step recorded, or another world size)
   unchecked        restored, but no verdict recorded (an older stalwart, or a run
                    still redoing its steps)
+  rollback         restored by stalwart.Guard's rollback (not a resume: not judged)
+
+incidents (from events.jsonl, under the table):
+  guard            a step stalwart.Guard skipped or rolled back, why, on which
+                   rank, and the sample window a rollback skipped
+  guard_limit      the guard gave up: too many bad steps within its window
+  watchdog         a rank made no progress for the watchdog's timeout; its thread
+                   stacks are in the file named (watchdog/rank<r>-<ns>.txt)
 
 durable tier:
   For a run whose manager has durable=URL, the "durable" column says whether a
@@ -156,8 +166,10 @@ def list_run(run: Path, *, verify: bool, warn: TextIO) -> dict[str, Any]:
     durable = history.durable
     durable_steps = durable.steps
     verdicts = _resume_verdicts(run)
+    incidents = _incidents(run)
+    rolled_back = {i["restored_step"] for i in incidents if i["action"] == "rollback"}
     for row in rows:
-        row["resume"] = _resume_entry(verdicts, row["step"])
+        row["resume"] = _resume_entry(verdicts, row["step"], rolled_back)
         row["durable"] = (
             None if durable.url is None or row["step"] is None else row["step"] in durable_steps
         )
@@ -171,10 +183,31 @@ def list_run(run: Path, *, verify: bool, warn: TextIO) -> dict[str, Any]:
         "durable": _durable_summary(durable, committed, rows),
         "entries": rows,
         "resumes": [
-            {"restored_step": step, **(_resume_entry(verdicts, step) or {})}
+            {"restored_step": step, **(_resume_entry(verdicts, step, rolled_back) or {})}
             for step in sorted(verdicts)
         ],
+        "incidents": incidents,
     }
+
+
+def _incidents(run: Path) -> list[dict[str, Any]]:
+    """Guard decisions and watchdog firings, oldest first, each with its one-line message."""
+    try:
+        records = [r for r in read_events(run) if r.get("event") in INCIDENT_EVENTS]
+    except OSError:
+        return []  # read_history has warned already
+    return [
+        {
+            "time": _event_time(r),
+            "event": r["event"],
+            "rank": r.get("rank"),
+            "step": r.get("step"),
+            "action": r.get("action"),
+            "restored_step": r.get("restored_step"),
+            "message": describe_incident(r),
+        }
+        for r in records
+    ]
 
 
 def _resume_verdicts(run: Path) -> dict[int, Any]:
@@ -184,14 +217,22 @@ def _resume_verdicts(run: Path) -> dict[int, Any]:
         return {}  # read_history has warned already
 
 
-def _resume_entry(verdicts: dict[int, Any], step: int | None) -> dict[str, Any] | None:
-    """The exact-resume certificate of the last restore from ``step`` (None: never restored)."""
+def _resume_entry(
+    verdicts: dict[int, Any], step: int | None, rolled_back: set[Any]
+) -> dict[str, Any] | None:
+    """The exact-resume certificate of the last restore from ``step`` (None: never restored).
+
+    A restore without a verdict that a guard rollback made is marked ``rollback``:
+    the certificate does not judge a deliberate rollback.
+    """
     if step is None or step not in verdicts:
         return None
     record = verdicts[step]
     return {
         "verdict": None if record is None else record.get("event"),
-        "mark": catalog.verdict_mark(record),
+        "mark": "rollback"
+        if record is None and step in rolled_back
+        else catalog.verdict_mark(record),
         "message": None if record is None else record.get("message"),
     }
 
@@ -358,6 +399,12 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
         text = resume["message"] or f"{resume['mark']} (no verdict recorded)"
         console.print(
             f"restored step {resume['restored_step']}: {text}", markup=False, soft_wrap=True
+        )
+    for incident in report.get("incidents", []):
+        console.print(
+            f"{incident['event']} at step {incident['step']}: {incident['message']}",
+            markup=False,
+            soft_wrap=True,
         )
     if durable is not None:
         for line in _durable_lines(durable):

@@ -22,8 +22,10 @@ from stalwart.events import read_events
 from stalwart.history import VERDICT_EVENTS, verdict_mark
 
 __all__ = [
+    "INCIDENT_EVENTS",
     "PROBLEM_EVENTS",
     "Timeline",
+    "describe_incident",
     "draw_timeline",
     "read_run",
     "read_timeline",
@@ -40,8 +42,64 @@ PROBLEM_EVENTS = (
     "save_skipped",
     "restore_failed",
     "resume_diverged",
+    "guard",
+    "guard_limit",
+    "watchdog",
 )
 """Events that the report lists one by one, with their reason."""
+INCIDENT_EVENTS = ("guard", "guard_limit", "watchdog")
+"""Training incidents (``stalwart.Guard``, ``stalwart.Watchdog``), described by ``describe_incident``."""
+
+
+def _value(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _culprits(record: dict[str, Any]) -> str:
+    """``nonfinite_loss on rank 1: loss nan`` for each rank the guard's event names."""
+    parts = []
+    for r in record.get("ranks") or []:
+        if not isinstance(r, dict):
+            continue
+        values = f"loss {_value(r.get('loss'))}"
+        if r.get("grad_norm") is not None:
+            values += f", grad norm {_value(r.get('grad_norm'))}"
+        if "spike" in (r.get("reasons") or []) and r.get("median") is not None:
+            values += f" vs median {_value(r.get('median'))}"
+        parts.append(
+            f"{'/'.join(map(str, r.get('reasons') or []))} on rank {r.get('rank')}: {values}"
+        )
+    return "; ".join(parts) or str(record.get("reason"))
+
+
+def describe_incident(record: dict[str, Any]) -> str:
+    """One line for a ``guard``, ``guard_limit`` or ``watchdog`` event, as ``ls`` and ``report`` show it."""
+    event = record.get("event")
+    if event == "watchdog":
+        stacks = record.get("stacks")
+        return (
+            f"rank {record.get('rank')} made no progress for {_value(record.get('silent_s'))} s "
+            f"after step {record.get('step')} (timeout {_value(record.get('timeout'))} s); "
+            + (f"stacks in {stacks}" if stacks else "stacks could not be written")
+            + (f"; exited {record['exit_code']}" if record.get("exit_code") is not None else "")
+        )
+    if event == "guard_limit":
+        return str(record.get("message") or f"too many {record.get('action')}s")
+    action = record.get("action")
+    line = f"{action} ({_culprits(record)})"
+    if action == "rollback":
+        line = f"rollback to step {record.get('restored_step')} ({_culprits(record)})"
+        skipped = record.get("skipped")
+        if isinstance(skipped, dict):
+            start, end = skipped.get("from") or {}, skipped.get("to") or {}
+            line += (
+                f"; skipped samples from epoch {start.get('epoch')} position "
+                f"{start.get('consumed')} to epoch {end.get('epoch')} position {end.get('consumed')}"
+                + (f" ({skipped['samples']})" if skipped.get("samples") is not None else "")
+            )
+    if record.get("note"):
+        line += f"; {record['note']}"
+    return line
 
 
 @dataclasses.dataclass(slots=True)
@@ -162,7 +220,9 @@ def summarize(timeline: Timeline) -> dict[str, Any]:
                 "seconds": _number(r.get("seconds")),
                 # Older events.jsonl called it "exact"; it only ever meant this.
                 "same_world_size": r.get("same_world_size", r.get("exact")),
-                "resume": verdict_mark(_verdict_of(timeline, r)),
+                "resume": "rollback (guard)"
+                if _is_rollback(timeline, r)
+                else verdict_mark(_verdict_of(timeline, r)),
             }
             for r in timeline.restores
         ],
@@ -171,7 +231,9 @@ def summarize(timeline: Timeline) -> dict[str, Any]:
                 "time": p["time"],
                 "event": p["event"],
                 "step": p.get("step"),
-                "detail": str(
+                "detail": describe_incident(p)
+                if p["event"] in INCIDENT_EVENTS
+                else str(
                     p.get("reason")
                     or p.get("error")
                     or p.get("message")
@@ -195,6 +257,17 @@ def _verdict_of(timeline: Timeline, restore: dict[str, Any]) -> dict[str, Any] |
     return None
 
 
+def _is_rollback(timeline: Timeline, restore: dict[str, Any]) -> bool:
+    """Whether ``restore`` was a guard's rollback: its ``guard`` event follows within the second."""
+    return any(
+        p["event"] == "guard"
+        and p.get("action") == "rollback"
+        and p.get("restored_step") == restore.get("step")
+        and 0 <= p["time"] - restore["time"] < 1.0
+        for p in timeline.problems
+    )
+
+
 def _verdicts(timeline: Timeline) -> list[dict[str, Any]]:
     return [r for r in timeline.all if r["event"] in VERDICT_EVENTS]
 
@@ -212,6 +285,9 @@ _MARKERS: dict[str, tuple[str, str, str]] = {
     "restore_failed": ("X", "tab:purple", "restore failed"),
     "resume_verified": ("P", "tab:green", "resume verified exact"),
     "resume_diverged": ("X", "tab:red", "resume diverged"),
+    "guard": ("v", "tab:olive", "guard: step skipped / rolled back"),
+    "guard_limit": ("X", "tab:brown", "guard limit reached"),
+    "watchdog": ("*", "tab:red", "watchdog: no progress"),
 }
 
 
