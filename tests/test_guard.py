@@ -171,6 +171,8 @@ def test_nonfinite_values_can_roll_back_too(tmp_path: Path) -> None:
     parts = make_parts()
     policy = stalwart.GuardPolicy(on_nonfinite="rollback")
     with stalwart.CheckpointManager(run) as ckpt, stalwart.Guard(ckpt, parts.state, policy) as g:
+        beats: list[int] = []
+        ckpt.heartbeats.append(beats.append)
         ckpt.save(4, parts.state)
         before = {k: v.clone() for k, v in parts.model.state_dict().items()}
         with torch.no_grad():
@@ -179,6 +181,7 @@ def test_nonfinite_values_can_roll_back_too(tmp_path: Path) -> None:
         decision = g.check(7, float("nan"))
         assert (decision.action, decision.restored_step) == ("rollback", 4)
         assert_same(before, parts.model.state_dict())
+        assert beats == [4, 4]  # the save, then the rollback: a Watchdog sees progress
     # No data in the state: nothing to skip, and the event says so.
     (event,) = guard_events(run)
     assert event["restored_step"] == 4 and event["skipped"] is None

@@ -348,6 +348,9 @@ class Guard:
             self.skips += 1
             self._record("skip", step, reason, ranks, note="no checkpoint to roll back to")
             return GuardDecision("skip", step, reason)
+        # A restore is progress: a long one must not read as a hang to a Watchdog.
+        for beat in self.ckpt.heartbeats:
+            beat(restored)
         start = _position(data)
         if end is not None and data is not None:
             data.load_state_dict(end)
