@@ -73,8 +73,8 @@ def test_saves_beat_the_heart(tmp_path: Path) -> None:
     run = tmp_path / "run"
     state = stalwart.TrainState(model=torch.nn.Linear(2, 2))
     with stalwart.CheckpointManager(run, every_steps=100) as ckpt:
-        with stalwart.Watchdog(ckpt, timeout=0.6, exit_code=None, poll=0.05) as dog:
-            for step in range(1, 13):
+        with stalwart.Watchdog(ckpt, timeout=1.0, exit_code=None, poll=0.05) as dog:
+            for step in range(1, 31):  # 3 s in all: longer than the timeout
                 time.sleep(0.1)
                 ckpt.save(step, state)
         assert dog.fired == [] and ckpt.heartbeats == []
@@ -86,9 +86,9 @@ def test_record_only_fires_once_per_silence(tmp_path: Path) -> None:
     state = stalwart.TrainState(model=torch.nn.Linear(2, 2))
     with stalwart.CheckpointManager(run) as ckpt:
         with stalwart.Watchdog(ckpt, timeout=0.2, exit_code=None, poll=0.02) as dog:
-            time.sleep(0.6)  # one silence: one dump
+            time.sleep(1.0)  # one silence: one dump
             ckpt.save(1, state)
-            time.sleep(0.6)  # another
+            time.sleep(1.0)  # another
             dog.heartbeat()
     assert len(dog.fired) == 2
     assert [e["step"] for e in watchdog_events(run)] == [None, 1]
@@ -97,11 +97,11 @@ def test_record_only_fires_once_per_silence(tmp_path: Path) -> None:
 
 def test_an_explicit_heartbeat_counts(tmp_path: Path) -> None:
     with stalwart.CheckpointManager(tmp_path / "run") as ckpt:
-        with stalwart.Watchdog(ckpt, timeout=0.3, exit_code=None, poll=0.02) as dog:
+        with stalwart.Watchdog(ckpt, timeout=1.5, exit_code=None, poll=0.02) as dog:
             for _ in range(10):
-                time.sleep(0.08)
+                time.sleep(0.3)
                 dog.heartbeat(7)
-            assert dog.silent_for < 0.3
+            assert dog.silent_for < 1.5
         assert dog.fired == []
 
 
@@ -128,7 +128,7 @@ def test_ls_shows_where_the_watchdog_left_the_stacks(
     with stalwart.CheckpointManager(run) as ckpt:
         with stalwart.Watchdog(ckpt, timeout=0.2, exit_code=None, poll=0.02) as dog:
             ckpt.save(1, state)
-            time.sleep(0.5)
+            time.sleep(1.0)
     (stacks,) = dog.fired
     code, out, _ = cli(capsys, "ls", run)
     assert code == 0
