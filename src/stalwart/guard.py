@@ -33,6 +33,7 @@ import bisect
 import dataclasses
 import logging
 import math
+import struct
 from collections import deque
 from collections.abc import Mapping
 from types import TracebackType
@@ -46,8 +47,6 @@ from stalwart.manager import CheckpointManager
 from stalwart.state import TrainState
 
 __all__ = ["Guard", "GuardDecision", "GuardLimitError", "GuardPolicy"]
-
-logger = logging.getLogger("stalwart")
 
 Action = Literal["skip", "rollback"]
 _ACTIONS = ("skip", "rollback")
@@ -145,12 +144,13 @@ def _as_float(name: str, value: Any) -> float:
 
 def _bits(value: float) -> int:
     """The IEEE-754 bits of ``value`` as a signed int64 (exact, NaN included)."""
-    out: int = torch.tensor([value], dtype=torch.float64).view(torch.int64).item()  # type: ignore[assignment]
-    return out
+    bits: int = struct.unpack("<q", struct.pack("<d", value))[0]
+    return bits
 
 
 def _unbits(bits: int) -> float:
-    return float(torch.tensor([bits], dtype=torch.int64).view(torch.float64).item())
+    value: float = struct.unpack("<d", struct.pack("<q", bits))[0]
+    return value
 
 
 class _Limit:
