@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -135,3 +136,24 @@ def test_ls_shows_where_the_watchdog_left_the_stacks(
     line = next(x for x in out.splitlines() if x.startswith("watchdog at step 1: "))
     assert "rank 0 made no progress for " in line
     assert line.endswith(f"after step 1 (timeout 0.2 s); stacks in watchdog/{stacks.name}")
+
+
+def test_the_operations_guide_example_runs(tmp_path: Path) -> None:
+    text = (REPO / "docs" / "operations.md").read_text()
+    section = text.split("## Hangs", 1)[1].split("\n## ", 1)[0]
+    (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-W", "ignore::DeprecationWarning", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "watched"
+    assert sorted(p.name for p in run.glob("step_*")) == [f"step_{s:09d}" for s in (10, 20, 30)]
+    assert watchdog_events(run) == [] and not (run / WATCHDOG_DIR).exists()
