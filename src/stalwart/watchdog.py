@@ -13,7 +13,7 @@ came for ``timeout`` seconds it
    without running Python code in the hung thread),
 2. appends a ``watchdog`` event to ``<run>/events.jsonl`` (each rank its own;
    lines are single appends, so ranks never interleave),
-3. waits ``grace`` seconds, then ends the process with ``os._exit(exit_code)``:
+3. ``grace`` seconds after it fired, ends the process with ``os._exit(exit_code)``:
    a thread blocked in C code (a collective, a read) cannot be interrupted any
    other way, and a non-zero exit is what makes torchrun restart the job.
 
@@ -51,8 +51,8 @@ class Watchdog:
     clock starts at construction). It registers :meth:`heartbeat` with the
     manager, so every ``ckpt.save`` call beats it; choose ``timeout`` above the
     longest step plus the longest save. ``grace`` (default ``min(timeout, 10)``
-    seconds) is how long a firing rank waits after its dump before exiting, so
-    peers blocked waiting for it dump theirs too. ``exit_code=None`` only dumps
+    seconds) is how long a firing rank lives on after it fired, so peers
+    blocked waiting for it dump theirs too. ``exit_code=None`` only dumps
     and records (once per silence) and never exits. ``close`` (or the context
     manager) stops the thread; do that before work without heartbeats (a long
     evaluation, the final teardown). Not itself collective; thread-safe.
@@ -119,6 +119,14 @@ class Watchdog:
 
     def _fire(self) -> None:
         silent, step = self.silent_for, self._step
+        if self.exit_code is not None:
+            # Armed first: the exit must not depend on the dump or the event, since the hung
+            # thread may hold a lock they need (a logging handler's, stderr's). The grace lets
+            # peers that wait for this rank in a collective, and stopped beating a step later,
+            # dump their own stacks before this exit breaks their collective.
+            timer = threading.Timer(self.grace, os._exit, (self.exit_code,))
+            timer.daemon = True
+            timer.start()
         path = self._dump(silent, step)
         self._events.emit(
             "watchdog",
@@ -129,13 +137,6 @@ class Watchdog:
             stacks=None if path is None else str(path.relative_to(self.directory)),
             exit_code=self.exit_code,
         )
-        if self.exit_code is None:
-            return
-        # Peers that wait for this rank in a collective stopped beating a step later:
-        # give their watchdogs time to dump before this exit breaks their collective.
-        time.sleep(self.grace)
-        logging.shutdown()
-        os._exit(self.exit_code)
 
     def _dump(self, silent: float, step: int | None) -> Path | None:
         """Write every thread's stack to ``watchdog/rank<r>-<ns>.txt``; None when that fails."""
