@@ -29,7 +29,7 @@ from stalwart.events import EVENTS_NAME, EventLog
 from stalwart.lock import RunLock
 from stalwart.manifest import to_json_data
 from stalwart.policy import RetentionPolicy, SavePolicy
-from stalwart.preemption import GracePlanner
+from stalwart.preemption import GracePlanner, check_grace
 from stalwart.provenance import Provenance
 from stalwart.redact import redact_url
 from stalwart.restoring import RestoreWalk, warn_if_ddp_resume_inexact
@@ -126,6 +126,7 @@ class CheckpointManager:
             every_steps=every_steps, every_seconds=every_seconds, mtbf_seconds=mtbf_seconds
         )
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
+        check_grace(grace_seconds)  # before the run directory is locked
         self.durable_retention = (
             None if self.durable is None else self.durable.retention(keep_last, keep_every)
         )
@@ -270,15 +271,14 @@ class CheckpointManager:
 
     @property
     def preempted(self) -> bool:
-        """True once a preemption signal reached any rank; the loop should stop.
+        """True once a preemption signal was handled by a ``save``; the loop should stop.
 
-        In a single process it turns true as soon as the signal arrives. With
-        several ranks it turns true on every rank at the same ``save`` call (the
-        ranks agree on it there, with one small all-reduce), after that call
-        wrote the emergency checkpoint.
+        It turns true on every rank at the same ``save`` call (the ranks agree
+        there, with one small all-reduce), after that call did its emergency
+        save (or skipped it: ``grace_seconds``), so a loop that breaks on it
+        right after ``save`` never leaves before that. A signal's arrival is
+        ``stalwart.signals.preemption_requested()``, for long sub-loops.
         """
-        if not self._coord.distributed:
-            return self._preempted or self._signals.is_set()
         return self._preempted
 
     def all_steps(self) -> list[int]:

@@ -43,7 +43,16 @@ from stalwart.saving import SaveWriter
 from stalwart.signals import PreemptionSignals
 from stalwart.staging import AsyncSaver
 
-__all__ = ["MARGIN_S", "SAFETY", "Decision", "GraceAction", "GracePlanner", "SaveTimes", "plan"]
+__all__ = [
+    "MARGIN_S",
+    "SAFETY",
+    "Decision",
+    "GraceAction",
+    "GracePlanner",
+    "SaveTimes",
+    "check_grace",
+    "plan",
+]
 
 SAFETY = 1.25
 """A save is planned at this many times its measured duration (the disk may be slower now)."""
@@ -168,6 +177,22 @@ def plan(
     )
 
 
+def check_grace(grace_seconds: float | None) -> float | None:
+    """``grace_seconds`` as a float (None stays None); ``ValueError`` naming the fix otherwise."""
+    if grace_seconds is None:
+        return None
+    if (
+        isinstance(grace_seconds, bool)
+        or not isinstance(grace_seconds, (int, float))
+        or not grace_seconds > 0
+    ):
+        raise ValueError(
+            "grace_seconds must be the positive number of seconds between the preemption "
+            f"signal and SIGKILL (30 under torchrun), or None, got {grace_seconds!r}"
+        )
+    return float(grace_seconds)
+
+
 class GracePlanner:
     """The manager's side of the grace decision: votes, then carries out what the ranks agreed.
 
@@ -180,16 +205,7 @@ class GracePlanner:
     def __init__(
         self, grace_seconds: float | None, writer: SaveWriter, signals: PreemptionSignals
     ) -> None:
-        if grace_seconds is not None and (
-            isinstance(grace_seconds, bool)
-            or not isinstance(grace_seconds, (int, float))
-            or not grace_seconds > 0
-        ):
-            raise ValueError(
-                "grace_seconds must be the positive number of seconds between the preemption "
-                f"signal and SIGKILL (30 under torchrun), or None, got {grace_seconds!r}"
-            )
-        self.grace_seconds = None if grace_seconds is None else float(grace_seconds)
+        self.grace_seconds = check_grace(grace_seconds)
         self.events: EventLog = writer.events
         self.writer = writer
         self.saver: AsyncSaver | None = writer.background
