@@ -99,8 +99,8 @@ def main() -> int:
     loader = build_loader(args)
     batches = None
     if args.iter_early:
-        # The workers start before the manager installs its handlers: they do not
-        # inherit them (as with spawn or forkserver workers, or persistent ones).
+        # The workers start before the manager installs its handlers (unshielded
+        # workers die of a group SIGTERM either way; this is the harder order).
         batches = forever(loader)
     state = stalwart.TrainState(model=model, optimizer=optimizer)
     if isinstance(loader, stalwart.ResumableDataLoader):
