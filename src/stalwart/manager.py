@@ -195,6 +195,8 @@ class CheckpointManager:
             async_save=async_save,
             every_steps=every_steps,
             every_seconds=every_seconds,
+            mtbf_seconds=mtbf_seconds,
+            grace_seconds=grace_seconds,
             keep_last=keep_last,
             keep_every=keep_every,
             durable=self.durable_url,
