@@ -333,9 +333,12 @@ def test_sigterm_sets_preempted_and_forces_the_next_save(tmp_path):
     with stalwart.CheckpointManager(tmp_path, every_steps=1000) as ckpt:
         assert not ckpt.save(7, p.state)
         os.kill(os.getpid(), signal.SIGTERM)
-        assert ckpt.preempted
+        assert stalwart.signals.preemption_requested()
+        assert not ckpt.preempted  # not before a save handled it: a loop must not leave yet
         assert ckpt.save(8, p.state)
+        assert ckpt.preempted
         assert ckpt.all_steps() == [8]
+    assert not stalwart.signals.preemption_requested()  # the handlers are gone
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 

@@ -35,6 +35,9 @@ class RunHistory:
     """Timings of the last ``save`` event of each step (stall_s, write_s, ...)."""
     skip_reasons: dict[int, str] = dataclasses.field(default_factory=dict)
     """Reason of the last ``restore_skipped`` event of each step."""
+    at_risk: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Steps covered by no durable checkpoint when the save of each step began (its
+    ``recovery_point`` event: the recovery point the run had then)."""
     durable: DurableHistory = dataclasses.field(default_factory=lambda: DurableHistory())
     """What the events say about the run's durable tier."""
 
@@ -167,6 +170,10 @@ def history_of(records: Iterable[Mapping[str, Any]]) -> RunHistory:
             }
         elif record.get("event") == "restore_skipped" and isinstance(record.get("reason"), str):
             history.skip_reasons[step] = record["reason"]
+        elif record.get("event") == "recovery_point":
+            risk = record.get("steps_at_risk")
+            if isinstance(risk, int) and not isinstance(risk, bool):
+                history.at_risk[step] = risk
     return history
 
 

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from stalwart.rng import derive_seed
 from stalwart.sampler import ResumableSampler, SeededDataset, check_int, sample_seed
+from stalwart.signals import shielded_worker_init
 
 __all__ = ["ResumableDataLoader"]
 
@@ -214,6 +215,10 @@ class ResumableDataLoader(DataLoader[Any]):
     - With ``per_sample_seed=True`` (default) the dataset is wrapped in
       :class:`SeededDataset` (``loader.dataset`` is the wrapper, attributes fall
       through) and each sample's randomness depends only on ``(seed, epoch, index)``.
+    - Workers survive a preemption signal sent to the whole job (torchrun signals each
+      rank's process group, SLURM every process): ``worker_init_fn`` runs
+      :func:`stalwart.signals.shield_worker` first, then yours, so the rank still gets
+      its batches while it writes the emergency checkpoint.
 
     Not supported (``ValueError``/``TypeError`` at construction): ``batch_size=None``,
     ``batch_sampler``, ``generator``, ``in_order=False`` and iterable-style datasets
@@ -320,7 +325,9 @@ class ResumableDataLoader(DataLoader[Any]):
             pin_memory=pin_memory,
             drop_last=drop_last,
             timeout=timeout,
-            worker_init_fn=worker_init_fn,
+            # Workers ignore a preemption signal sent to the whole job (torchrun,
+            # SLURM): dead workers would fail the next batch before the rank saved.
+            worker_init_fn=shielded_worker_init(worker_init_fn),
             multiprocessing_context=multiprocessing_context,
             generator=torch.Generator(),
             prefetch_factor=prefetch_factor,

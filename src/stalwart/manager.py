@@ -14,9 +14,10 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from stalwart.certificate import Certificate, Verdict
+from stalwart.continuous import ContinuousSchedule
 from stalwart.distributed import Coordinator
 from stalwart.errors import (
     CheckpointCorruptError,
@@ -28,6 +29,7 @@ from stalwart.events import EVENTS_NAME, EventLog
 from stalwart.lock import RunLock
 from stalwart.manifest import to_json_data
 from stalwart.policy import RetentionPolicy, SavePolicy
+from stalwart.preemption import GracePlanner, check_grace
 from stalwart.provenance import Provenance
 from stalwart.redact import redact_url
 from stalwart.restoring import RestoreWalk, warn_if_ddp_resume_inexact
@@ -57,6 +59,7 @@ class CheckpointManager:
         every_steps / every_seconds: the save policy. ``save(step)`` writes when
             ``step`` is a multiple of ``every_steps`` or ``every_seconds`` passed
             since the last save. With neither, every ``save`` call writes.
+            ``every_steps="auto"`` + ``mtbf_seconds``: see ``stalwart.continuous``.
         keep_last / keep_every: retention. The newest ``keep_last`` committed
             checkpoints are kept, plus every one whose step is a multiple of
             ``keep_every``; the newest is never deleted, and nothing is deleted
@@ -81,7 +84,7 @@ class CheckpointManager:
         handle_signals: on SIGTERM or SIGUSR1, set ``preempted`` and make the next
             ``save`` write a checkpoint whatever the policy says (so a preempted
             job loses nothing). The handlers are installed only in the main
-            thread and removed by ``close``.
+            thread and removed by ``close``. ``grace_seconds``: see ``stalwart.preemption``.
         save_timeout: seconds a rank waits for the others in a checkpoint
             collective. A rank that died or hung makes every other rank's save
             fail with ``CheckpointSaveError`` after at most this long.
@@ -101,8 +104,10 @@ class CheckpointManager:
         self,
         directory: str | os.PathLike[str],
         *,
-        every_steps: int | None = None,
+        every_steps: int | Literal["auto"] | None = None,
         every_seconds: float | None = None,
+        mtbf_seconds: float | None = None,
+        grace_seconds: float | None = None,
         keep_last: int | None = 3,
         keep_every: int | None = None,
         async_save: bool = False,
@@ -117,8 +122,11 @@ class CheckpointManager:
         local_dir, self.durable, keep_last, keep_every = resolve_directory(
             directory, durable, keep_last, keep_every
         )
-        self.save_policy = SavePolicy(every_steps=every_steps, every_seconds=every_seconds)
+        self.save_policy = SavePolicy(
+            every_steps=every_steps, every_seconds=every_seconds, mtbf_seconds=mtbf_seconds
+        )
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
+        check_grace(grace_seconds)  # before the run directory is locked
         self.durable_retention = (
             None if self.durable is None else self.durable.retention(keep_last, keep_every)
         )
@@ -177,6 +185,8 @@ class CheckpointManager:
         self.heartbeats: list[Callable[[int], None]] = []
         """Called with the step at the start of every ``save`` (``stalwart.Watchdog`` registers here)."""
         self._signals = PreemptionSignals()
+        self._grace = GracePlanner(grace_seconds, self._writer, self._signals)
+        self._auto = ContinuousSchedule(self.save_policy, self._writer, self._grace.times)
         self._preempted = False
         if handle_signals:
             self._signals.install()
@@ -187,6 +197,8 @@ class CheckpointManager:
             async_save=async_save,
             every_steps=every_steps,
             every_seconds=every_seconds,
+            mtbf_seconds=mtbf_seconds,
+            grace_seconds=grace_seconds,
             keep_last=keep_last,
             keep_every=keep_every,
             durable=self.durable_url,
@@ -263,15 +275,14 @@ class CheckpointManager:
 
     @property
     def preempted(self) -> bool:
-        """True once a preemption signal reached any rank; the loop should stop.
+        """True once a preemption signal was handled by a ``save``; the loop should stop.
 
-        In a single process it turns true as soon as the signal arrives. With
-        several ranks it turns true on every rank at the same ``save`` call (the
-        ranks agree on it there, with one small all-reduce), after that call
-        wrote the emergency checkpoint.
+        It turns true on every rank at the same ``save`` call (the ranks agree
+        there, with one small all-reduce), after that call did its emergency
+        save (or skipped it: ``grace_seconds``), so a loop that breaks on it
+        right after ``save`` never leaves before that. A signal's arrival is
+        ``stalwart.signals.preemption_requested()``, for long sub-loops.
         """
-        if not self._coord.distributed:
-            return self._preempted or self._signals.is_set()
         return self._preempted
 
     def all_steps(self) -> list[int]:
@@ -290,7 +301,7 @@ class CheckpointManager:
         if self._preempted or self._signals.is_set():
             return True
         since = time.monotonic() - self._writer.last_save_time
-        return self.save_policy.due(step, seconds_since_last=since)
+        return self._auto.due(step, seconds_since_last=since)
 
     # ------------------------------------------------------------------- save
 
@@ -337,10 +348,11 @@ class CheckpointManager:
                 self._signals.is_set(),
                 due_here,
                 uploader is not None and uploader.failed,
+                self._grace.vote(),
                 *self._certificate.flags(),
             )
             signalled, due, upload_failed = (bool(v) for v in reduced[:3])
-            self._settle_certificate(*reduced[3:])
+            self._settle_certificate(*reduced[4:])
         except CoordinationError as exc:
             raise peer_failure(self.events, step if due_here else None, exc) from None
         if upload_failed:
@@ -353,8 +365,9 @@ class CheckpointManager:
             )
         emergency = signalled and not self._preempted
         self._preempted = self._preempted or signalled
-        if not (due or emergency):
+        if not (due or emergency) or (emergency and not self._grace.carry_out(reduced[3], step)):
             return False
+        self._auto.save_starting(step)
         return self._writer.save(step, state, metrics_json, emergency=emergency)
 
     # ---------------------------------------------------------------- restore

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Literal
 
 __all__ = ["RetentionPolicy", "SavePolicy"]
 
@@ -15,12 +16,23 @@ class SavePolicy:
     With neither field set, every call saves: the caller decides when.
     """
 
-    every_steps: int | None = None
-    """Save when ``step`` is a multiple of this."""
+    every_steps: int | Literal["auto"] | None = None
+    """Save when ``step`` is a multiple of this. ``"auto"``: continuous checkpointing, the
+    next save as soon as the previous one is durable, at most as often as the Young/Daly
+    interval from the measured cost and ``mtbf_seconds`` (``stalwart.continuous``)."""
     every_seconds: float | None = None
     """Save when at least this many seconds passed since the last save (or the start)."""
+    mtbf_seconds: float | None = None
+    """Mean time between failures of the job, for ``every_steps="auto"`` (and only for it)."""
+
+    @property
+    def auto(self) -> bool:
+        return self.every_steps == "auto"
 
     def __post_init__(self) -> None:
+        if self.auto or self.mtbf_seconds is not None:
+            self._check_auto()
+            return
         if self.every_steps is not None and (
             isinstance(self.every_steps, bool)
             or not isinstance(self.every_steps, int)
@@ -36,10 +48,32 @@ class SavePolicy:
                 f"every_seconds must be a positive number or None, got {self.every_seconds!r}"
             )
 
+    def _check_auto(self) -> None:
+        if not self.auto:
+            raise ValueError(
+                f"mtbf_seconds is used only with every_steps='auto', got every_steps="
+                f"{self.every_steps!r}; drop mtbf_seconds or pass every_steps='auto'"
+            )
+        if self.every_seconds is not None:
+            raise ValueError(
+                "every_steps='auto' chooses the interval itself; drop every_seconds="
+                f"{self.every_seconds!r}"
+            )
+        mtbf = self.mtbf_seconds
+        if isinstance(mtbf, bool) or not isinstance(mtbf, (int, float)) or not mtbf > 0:
+            raise ValueError(
+                "every_steps='auto' needs mtbf_seconds=, the job's mean time between failures "
+                f"in seconds (e.g. 86400 for one a day), got {mtbf!r}"
+            )
+
     def due(self, step: int, *, seconds_since_last: float) -> bool:
+        """Whether the step or time rule asks for a save (``"auto"`` never asks here: the
+        continuous schedule decides from measured times)."""
+        if self.auto:
+            return False
         if self.every_steps is None and self.every_seconds is None:
             return True
-        if self.every_steps is not None and step % self.every_steps == 0:
+        if isinstance(self.every_steps, int) and step % self.every_steps == 0:
             return True
         return self.every_seconds is not None and seconds_since_last >= self.every_seconds
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from stalwart.distributed import Coordinator, RankError
@@ -83,6 +84,8 @@ class SaveWriter:
         """When the last save was handed over (or the run restored): the time policy's clock."""
         self.last_saved_step: int | None = None
         """The newest step saved or restored by this run; saving it again is skipped."""
+        self.observer: Callable[[int, float, float], None] | None = None
+        """Told (step, stall_s, total_s) of every committed save, on every rank, in the committing thread."""
 
     def save(
         self, step: int, state: TrainState, metrics: dict[str, Any], *, emergency: bool
@@ -212,6 +215,8 @@ class SaveWriter:
     def _after_commit(
         self, result: SaveResult, *, stall_s: float, stage_s: float, total_s: float, emergency: bool
     ) -> None:
+        if self.observer is not None:
+            self.observer(result.step, stall_s, total_s)
         if not self.is_leader:
             return
         self.events.emit(

@@ -71,6 +71,10 @@ incidents (from events.jsonl, under the table):
   watchdog         a rank made no progress for the watchdog's timeout; its thread
                    stacks are in the file named (watchdog/rank<r>-<ns>.txt)
 
+at risk (from events.jsonl's recovery_point):
+  the steps of training covered by no durable checkpoint when this step's save
+  began: what a failure at that moment cost (every_steps="auto" keeps it small)
+
 durable tier:
   For a run whose manager has durable=URL, the "durable" column says whether a
   step reached the durable tier (uploaded, and not deleted by durable retention,
@@ -342,6 +346,7 @@ def _store_row(info: StepInfo) -> dict[str, Any]:
 def _local_row(info: StepInfo, history: RunHistory) -> dict[str, Any]:
     row = _row(info)
     row["timings"] = history.timings.get(info.step) if info.step is not None else None
+    row["steps_at_risk"] = history.at_risk.get(info.step) if info.step is not None else None
     return row
 
 
@@ -368,9 +373,10 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
         "world",
         "stall",
         "write",
+        "at risk",
         "resumed",
         "metrics",
-        right=("step", "size", "files", "world", "stall", "write"),
+        right=("step", "size", "files", "world", "stall", "write", "at risk"),
         wrap=("created", "metrics"),
     )
     for e in entries:
@@ -389,6 +395,7 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
             "-" if e["world_size"] is None else str(e["world_size"]),
             format_seconds(timings.get("stall_s")),
             format_seconds(timings.get("write_s")),
+            "-" if e.get("steps_at_risk") is None else str(e["steps_at_risk"]),
             _resume_cell(e.get("resume")),
             Text(format_mapping(e["metrics"])),
         )

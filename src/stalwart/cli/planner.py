@@ -49,6 +49,7 @@ import math
 from typing import Any, Literal
 
 from stalwart.cli.units import format_size
+from stalwart.continuous import daly_interval, young_interval  # the library's, shared
 
 __all__ = [
     "ASSUMED_NODE_MTBF_S",
@@ -179,33 +180,6 @@ def choose_strategy(
 
 
 # ----------------------------------------------------------------------- intervals
-
-
-def young_interval(cost: float, mtbf: float) -> float:
-    """Young's first-order optimum checkpoint interval, sqrt(2 C M) (Young 1974).
-
-    ``cost`` C is the time one checkpoint blocks the job, ``mtbf`` M the job's
-    mean time between failures; the result is compute time between checkpoints.
-    """
-    _positive(cost=cost, mtbf=mtbf)
-    return math.sqrt(2.0 * cost * mtbf)
-
-
-def daly_interval(cost: float, mtbf: float) -> float:
-    """Daly's higher-order optimum checkpoint interval (Daly 2006, FGCS 22(3)).
-
-    tau = sqrt(2 C M) [1 + (1/3) sqrt(C / 2M) + (1/9) (C / 2M)] - C for C < 2M,
-    and tau = M for C >= 2M (checkpoints so costly that the job can barely
-    progress; the formula then has a jump from 0.89 M up to M at C = 2M).
-
-    >>> round(daly_interval(300, 86400) / 60, 1)  # C = 5 min, M = 24 h
-    116.7
-    """
-    _positive(cost=cost, mtbf=mtbf)
-    if cost >= 2.0 * mtbf:
-        return mtbf
-    x = cost / (2.0 * mtbf)
-    return math.sqrt(2.0 * cost * mtbf) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - cost
 
 
 def wall_time_ratio(interval: float, cost: float, mtbf: float, restart: float) -> float:
