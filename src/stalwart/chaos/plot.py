@@ -82,7 +82,7 @@ def draw_chaos(
     top.set_xlabel("seconds since the chaos run started")
     top.set_ylabel("training step")
     top.grid(True, alpha=0.3)
-    top.legend(loc="upper left", fontsize=8)
+    top.legend(loc="lower right", fontsize=8)
     top.set_title(title or _headline(measured, predicted), fontsize=10)
     _recovery_bars(bottom, measured["failures"])
     fig.savefig(path, format="png")

@@ -214,7 +214,7 @@ class Supervisor:
         return attempt, proc, reader
 
     def _read(self, stream: IO[str], attempt: Attempt, log: Path) -> None:
-        with open(log, "w", encoding="utf-8") as f:
+        with stream, open(log, "w", encoding="utf-8") as f:
             for line in stream:
                 now = time.time()
                 f.write(line)
