@@ -76,6 +76,32 @@ def test_a_short_schedule_is_measured_consistently(tmp_path, capsys):
     assert "Young/Daly predicts" in out
 
 
+@pytest.mark.slow
+def test_under_torchrun_one_rank_is_killed_and_the_whole_job_restarted(tmp_path, capsys):
+    """--nproc 2: the kill hits rank 1 (found through /proc), torchrun ends the job, the
+    supervisor starts it again and both ranks resume from the newest checkpoint."""
+    run = tmp_path / "run"
+    script = charlm(run)[1:] + ["--batch-size", "16"]
+    code, _out, err = cli(
+        capsys, "chaos", "--run-dir", run, "--duration", "40", "--nproc", "2",
+        "--schedule", "kill@12", "--", *script,
+    )  # fmt: skip
+    assert code == 0, err
+    result = json.loads((run / "chaos" / "chaos.json").read_text())
+    m, record = result["measured"], result["record"]
+    (fault,) = record["faults"]
+    torchrun_pid = record["attempts"][0]["pid"]
+    assert fault["rank"] == 1 and fault["pid"] != torchrun_pid
+    assert "exitcode  : -9" in Path(record["attempts"][0]["log"]).read_text()
+    assert record["attempts"][0]["returncode"] not in (0, None)
+    assert m["counts"]["restarts"] == 1
+    (kill,) = m["failures"]
+    assert 0 <= kill["lost_steps"] < EVERY
+    assert kill["recovery_s"] is not None
+    assert m["steps"]["last"] > kill["step_reached"]  # the restarted job trained on
+    assert 0 < m["goodput_fraction"] < 1
+
+
 def test_ranks_are_found_through_proc_as_the_topmost_process_with_their_rank(tmp_path):
     """A rank's own child (a DataLoader worker) carries its RANK too, and is not the rank."""
     child = (
