@@ -150,3 +150,28 @@ def test_a_command_that_never_makes_progress_is_reported_not_restarted_forever(t
     )  # fmt: skip
     assert code == 1
     assert_one_line_error(err, "failed 2 times in a row", "last exit 3")
+
+
+def test_a_fault_aimed_at_a_missing_rank_is_a_usage_error_and_leaves_nothing_running(
+    tmp_path, capsys
+):
+    """The command (RANK=0 in its environment, like a torchrun worker) has no rank 5."""
+    marker = tmp_path / "alive"
+    script = (
+        "import os, sys, time\n"
+        f"open({str(marker)!r}, 'w').write(str(os.getpid()))\n"
+        "for s in range(1, 10**6):\n"
+        "    print(f'step {s}', flush=True); time.sleep(0.05)\n"
+    )
+    code, _out, err = cli(
+        capsys, "chaos", "--run-dir", tmp_path, "--duration", "30", "--quiet",
+        "--target-rank", "5", "--schedule", "kill@0.5",
+        "--", "env", "RANK=0", sys.executable, "-c", script,
+    )  # fmt: skip
+    assert code == 2
+    assert_one_line_error(err, "kill@0.5", "no process with RANK=5", "ranks found: [0]")
+    pid = int(marker.read_text())
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists()

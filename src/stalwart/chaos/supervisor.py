@@ -152,7 +152,9 @@ class Supervisor:
         """Run the command until the deadline or until it finishes; returns the record.
 
         Raises ``RuntimeError`` when the command keeps failing on its own
-        (``max_failed_starts`` attempts in a row ended without a progress line).
+        (``max_failed_starts`` attempts in a row ended without a progress line),
+        ``ValueError`` when a fault names a rank the command does not have. On any
+        exception the command's whole process group is SIGKILLed first.
         """
         self.logs.mkdir(parents=True, exist_ok=True)
         start = time.time()
@@ -168,7 +170,13 @@ class Supervisor:
             attempt, proc, reader = self._spawn(len(record.attempts))
             record.attempts.append(attempt)
             self.notes(f"attempt {attempt.index}: started pid {attempt.pid}")
-            caused = self._watch(record, attempt, proc, pending)
+            try:
+                caused = self._watch(record, attempt, proc, pending)
+            except BaseException:
+                # Ctrl-C, or a fault that cannot be aimed: never leave the command running.
+                self._signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
             reader.join(timeout=5.0)
             self._reap_group(proc.pid)
             if attempt.returncode == 0:

@@ -206,6 +206,8 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
         record = supervisor.run()
     except RuntimeError as exc:
         raise StalwartError(str(exc)) from None
+    except ValueError as exc:  # a fault aimed at a rank the command does not have
+        raise UsageError(str(exc)) from None
     events = list(read_events(run_dir)) if (run_dir / "events.jsonl").is_file() else []
     try:
         measured = measure(record, events)
