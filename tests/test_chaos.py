@@ -81,7 +81,7 @@ def test_under_torchrun_one_rank_is_killed_and_the_whole_job_restarted(tmp_path,
     """--nproc 2: the kill hits rank 1 (found through /proc), torchrun ends the job, the
     supervisor starts it again and both ranks resume from the newest checkpoint."""
     run = tmp_path / "run"
-    script = charlm(run)[1:] + ["--batch-size", "16"]
+    script = [*charlm(run)[1:], "--batch-size", "16"]
     code, _out, err = cli(
         capsys, "chaos", "--run-dir", run, "--duration", "40", "--nproc", "2",
         "--schedule", "kill@12", "--", *script,
@@ -135,6 +135,11 @@ def _children(pid: int) -> list[str]:
         (["--schedule", "boom@1", "--", "true"], "boom@1"),
         (["--mtbf", "5", "--faults", "kill,melt", "--", "true"], "--faults"),
         ([], "no training command"),
+        (["--", "torchrun", "--max-restarts", "3", "train.py"], "give --max-restarts=0"),
+        (
+            ["--", "python", "-m", "torch.distributed.run", "--max_restarts=1", "t.py"],
+            "--max_restarts=1",
+        ),
     ],
 )
 def test_bad_arguments_are_one_line_usage_errors(tmp_path, capsys, args, fragment):

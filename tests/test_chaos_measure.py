@@ -139,3 +139,11 @@ def test_without_failures_only_the_saves_cost_time_in_the_prediction():
     p = predict(measure(record, events))
     assert p["failures"] == 0 and p["mtbf_s"] is None
     assert p["goodput_fraction"] == pytest.approx(1 / (1 + 0.5 / 1.0))
+
+
+def test_steps_reported_after_the_deadline_do_not_count():
+    record, events = _record()
+    record.attempts[1].steps.append((1010.5, 39))  # trained on while stopping
+    m = measure(record, events)
+    assert m["steps"]["last"] == 38
+    assert m["window"]["end"] == 1010.0

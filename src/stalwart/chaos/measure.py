@@ -6,6 +6,7 @@ out (``measure``). The definitions, which ``docs/operations.md`` repeats:
 
 - *window*: from the first progress line of the first attempt to the end of the
   run (the deadline, or the last progress line when the training finished).
+  Lines that arrive after the deadline, while the command stops, do not count.
   The first start-up (imports, building the model) is outside it: it is paid
   once, with or without failures.
 - *goodput*: steps gained over the window (the last step reached minus the
@@ -34,6 +35,7 @@ reported: lost work is a lower bound by at most one step.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 from collections.abc import Iterable, Sequence
@@ -56,6 +58,7 @@ def measure(record: ChaosRecord, events: Iterable[dict[str, Any]]) -> dict[str, 
     ``stops``, ``counts``, ``breakdown_s`` (where the window's time went).
     Raises ``ValueError`` when no progress line was seen.
     """
+    record = _until_end(record)
     evs = sorted(
         (e for e in events if isinstance(e.get("time"), (int, float))), key=lambda e: e["time"]
     )
@@ -112,6 +115,18 @@ def measure(record: ChaosRecord, events: Iterable[dict[str, Any]]) -> dict[str, 
         },
         "breakdown_s": _breakdown(window, gained, step_time, saves, failures, stops),
     }
+
+
+def _until_end(record: ChaosRecord) -> ChaosRecord:
+    """The record without the progress lines that came after the deadline (the command
+    trains on for a moment after its SIGTERM); a finished run's lines all count."""
+    if record.completed:
+        return record
+    attempts = [
+        dataclasses.replace(a, steps=[(t, s) for t, s in a.steps if t <= record.ended])
+        for a in record.attempts
+    ]
+    return dataclasses.replace(record, attempts=attempts)
 
 
 def _last_step(record: ChaosRecord, events: Sequence[dict[str, Any]], reported: Attempt) -> int:

@@ -143,4 +143,4 @@ def _recovery_bars(ax: Any, failures: list[dict[str, Any]]) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the fault to the first step after it")
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8, ncol=4)
+    ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, ncol=4, frameon=False)

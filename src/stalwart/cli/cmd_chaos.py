@@ -142,6 +142,26 @@ def torchrun_command(command: list[str], nproc: int) -> list[str]:
     ]  # fmt: skip
 
 
+def _check_no_inner_restarts(command: list[str]) -> None:
+    """Refuse a torchrun command that restarts its workers itself.
+
+    The supervisor sees a failure when the command exits; a torchrun that
+    restarts in place never exits, so a kill would look like a hang.
+    """
+    if not any("torchrun" in Path(a).name or a == "torch.distributed.run" for a in command):
+        return
+    for i, arg in enumerate(command):
+        name, eq, value = arg.partition("=")
+        if name.replace("_", "-") != "--max-restarts":
+            continue
+        value = value if eq else (command[i + 1] if i + 1 < len(command) else "")
+        if value != "0":
+            raise UsageError(
+                f"the torchrun command has {arg}{'' if eq else ' ' + value}: stalwart chaos restarts "
+                "the job itself when it ends, so give --max-restarts=0 (or use --nproc)"
+            )
+
+
 def _schedule(args: argparse.Namespace) -> list[Fault]:
     if args.schedule is not None and args.mtbf is not None:
         raise UsageError("give --schedule or --mtbf, not both")
@@ -177,6 +197,8 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
         )
     if args.nproc is not None:
         command = torchrun_command(command, args.nproc)
+    else:
+        _check_no_inner_restarts(command)
     schedule = _schedule(args)
     run_dir = Path(args.run_dir)
     target = Path(args.out) if args.out is not None else run_dir / "chaos"
