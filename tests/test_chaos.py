@@ -180,3 +180,10 @@ def test_a_fault_aimed_at_a_missing_rank_is_a_usage_error_and_leaves_nothing_run
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(f"/proc/{pid}").exists()
+
+
+def test_the_help_documents_the_faults_and_exit_statuses(capsys):
+    code, out, _err = cli(capsys, "chaos", "--help")
+    assert code == 0
+    assert all(f"  {n}  " in out for n in (0, 1, 2))
+    assert all(kind in out for kind in ("kill@T", "stop@T:S", "term@T:grace=G"))
