@@ -36,8 +36,8 @@ def charlm(run: Path) -> list[str]:
 def test_a_short_schedule_is_measured_consistently(tmp_path, capsys):
     run = tmp_path / "run"
     code, out, err = cli(
-        capsys, "chaos", "--run-dir", run, "--duration", "32",
-        "--schedule", "kill@8,stop@12:1,term@15:grace=20", "--", *charlm(run),
+        capsys, "chaos", "--run-dir", run, "--duration", "40",
+        "--schedule", "kill@6,stop@7:1,term@9:grace=20", "--", *charlm(run),
     )  # fmt: skip
     assert code == 0, err
     result = json.loads((run / "chaos" / "chaos.json").read_text())
