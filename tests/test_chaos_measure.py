@@ -147,3 +147,15 @@ def test_steps_reported_after_the_deadline_do_not_count():
     m = measure(record, events)
     assert m["steps"]["last"] == 38
     assert m["window"]["end"] == 1010.0
+
+
+def test_an_exit_no_fault_caused_is_an_unplanned_failure_measured_from_the_exit():
+    record, events = _record()
+    record.faults.clear()
+    record.unplanned.append(0)
+    m = measure(record, events)
+    (failure,) = m["failures"]
+    assert failure["kind"] == "unplanned"
+    assert failure["at"] == pytest.approx(5.05)  # the exit is all the harness knows of it
+    assert (failure["detection_s"], failure["lost_steps"]) == (0.0, 5)
+    assert predict(m)["failures"] == 1
