@@ -24,6 +24,7 @@ import torch
 
 from stalwart import __version__
 from stalwart.cli import (
+    cmd_chaos,
     cmd_diff,
     cmd_export,
     cmd_gc,
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_parser(subparsers)
     for command in (cmd_plan, cmd_gc, cmd_diff, cmd_export, cmd_report, cmd_restore_test):
         command.add_parser(subparsers)
+    cmd_chaos.add_parser(subparsers)
     return parser
 
 

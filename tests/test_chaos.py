@@ -1,0 +1,189 @@
+"""``stalwart chaos`` end to end: real processes killed, stopped and preempted, real events.
+
+The demo's model (``examples/charlm.py``, made smaller) trains under a short
+schedule; the numbers the harness reports must agree with each other and with
+what the run directory holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stalwart.chaos.procs import rank_pids, target_pid
+from stalwart.events import read_events
+
+from .conftest import assert_one_line_error, cli
+
+REPO = Path(__file__).resolve().parent.parent
+CHARLM = REPO / "examples" / "charlm.py"
+EVERY = 10
+
+
+def charlm(run: Path) -> list[str]:
+    return [
+        sys.executable, str(CHARLM), "--run-dir", str(run), "--steps", "100000",
+        "--every", str(EVERY), "--log-every", "1", "--d-model", "32", "--layers", "1",
+    ]  # fmt: skip
+
+
+def test_a_short_schedule_is_measured_consistently(tmp_path, capsys):
+    run = tmp_path / "run"
+    code, out, err = cli(
+        capsys, "chaos", "--run-dir", run, "--duration", "40",
+        "--schedule", "kill@6,stop@7:1,term@9:grace=20", "--", *charlm(run),
+    )  # fmt: skip
+    assert code == 0, err
+    result = json.loads((run / "chaos" / "chaos.json").read_text())
+    m, p, record = result["measured"], result["predicted"], result["record"]
+    assert (run / "chaos" / "chaos.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Every fault was injected into a real process, and every kill and term restarted it.
+    assert m["counts"]["faults"] == {"kill": 1, "stop": 1, "term": 1}, err
+    assert m["counts"]["unplanned"] == 0
+    assert m["counts"]["restarts"] == 2
+    kill, term = m["failures"]
+    assert record["attempts"][0]["returncode"] == -9  # SIGKILL
+    assert record["attempts"][1]["returncode"] == 143  # charlm's exit after its emergency save
+    # A kill loses at most the steps since the last checkpoint; a preemption saves first.
+    assert 0 <= kill["lost_steps"] < EVERY
+    assert kill["restored_step"] % EVERY == 0
+    assert term["lost_steps"] == 0 and not term["escalated"]
+    # The restores events.jsonl holds: the fresh start's, then one per restart.
+    restores = [e for e in read_events(run) if e["event"] in ("restore", "restore_none")]
+    steps = [e.get("step", 0) if e["event"] == "restore" else 0 for e in restores]
+    assert steps[:3] == [0, kill["restored_step"], term["restored_step"]]
+    assert kill["restore_s"] == pytest.approx(restores[1].get("seconds", 0.0))
+    parts = ("detection_s", "restart_s", "restore_s", "first_step_s")
+    assert sum(kill[k] for k in parts) == pytest.approx(kill["recovery_s"], abs=1e-6)
+    (stop,) = m["stops"]
+    assert 1.0 <= stop["seconds"] < 2.0
+
+    # Goodput is below the fault-free rate, and the window's time is accounted for.
+    assert 0 < m["goodput_steps_per_s"] < m["ideal_steps_per_s"]
+    assert 0 < m["goodput_fraction"] < 1
+    assert m["steps"]["last"] >= kill["step_reached"]
+    b = m["breakdown_s"]
+    assert abs(b["other"]) < 0.2 * m["window"]["seconds"], b
+    assert 0 < p["goodput_fraction"] < 1
+    assert p["mtbf_s"] == pytest.approx(m["window"]["seconds"] / 2)
+    assert "Young/Daly predicts" in out
+
+
+@pytest.mark.slow
+def test_under_torchrun_one_rank_is_killed_and_the_whole_job_restarted(tmp_path, capsys):
+    """--nproc 2: the kill hits rank 1 (found through /proc), torchrun ends the job, the
+    supervisor starts it again and both ranks resume from the newest checkpoint."""
+    run = tmp_path / "run"
+    script = [*charlm(run)[1:], "--batch-size", "16"]
+    code, _out, err = cli(
+        capsys, "chaos", "--run-dir", run, "--duration", "40", "--nproc", "2",
+        "--schedule", "kill@12", "--", *script,
+    )  # fmt: skip
+    assert code == 0, err
+    result = json.loads((run / "chaos" / "chaos.json").read_text())
+    m, record = result["measured"], result["record"]
+    (fault,) = record["faults"]
+    torchrun_pid = record["attempts"][0]["pid"]
+    assert fault["rank"] == 1 and fault["pid"] != torchrun_pid
+    assert "exitcode  : -9" in Path(record["attempts"][0]["log"]).read_text()
+    assert record["attempts"][0]["returncode"] not in (0, None)
+    assert m["counts"]["restarts"] == 1
+    (kill,) = m["failures"]
+    assert 0 <= kill["lost_steps"] < EVERY
+    assert kill["recovery_s"] is not None
+    assert m["steps"]["last"] > kill["step_reached"]  # the restarted job trained on
+    assert 0 < m["goodput_fraction"] < 1
+
+
+def test_ranks_are_found_through_proc_as_the_topmost_process_with_their_rank(tmp_path):
+    """A rank's own child (a DataLoader worker) carries its RANK too, and is not the rank."""
+    child = (
+        "import os, subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"
+    )
+    env = {**os.environ, "RANK": "3"}
+    proc = subprocess.Popen([sys.executable, "-c", child], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len(_children(proc.pid)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rank_pids(proc.pid) == {3: proc.pid}
+        assert target_pid(proc.pid, None) == (proc.pid, 3)
+        with pytest.raises(ValueError, match=r"no process with RANK=0 .*ranks found: \[3\]"):
+            target_pid(proc.pid, 0)
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def _children(pid: int) -> list[str]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return path.read_text().split() if path.exists() else []
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--schedule", "kill@1", "--mtbf", "5", "--", "true"], "not both"),
+        (["--schedule", "boom@1", "--", "true"], "boom@1"),
+        (["--mtbf", "5", "--faults", "kill,melt", "--", "true"], "--faults"),
+        ([], "no training command"),
+        (["--", "torchrun", "--max-restarts", "3", "train.py"], "give --max-restarts=0"),
+        (
+            ["--", "python", "-m", "torch.distributed.run", "--max_restarts=1", "t.py"],
+            "--max_restarts=1",
+        ),
+    ],
+)
+def test_bad_arguments_are_one_line_usage_errors(tmp_path, capsys, args, fragment):
+    code, _out, err = cli(capsys, "chaos", "--run-dir", tmp_path, "--duration", "1", *args)
+    assert code == 2
+    assert_one_line_error(err, fragment)
+
+
+def test_a_command_that_never_makes_progress_is_reported_not_restarted_forever(tmp_path, capsys):
+    code, _out, err = cli(
+        capsys, "chaos", "--run-dir", tmp_path, "--duration", "30", "--quiet",
+        "--", sys.executable, "-c", "raise SystemExit(3)",
+    )  # fmt: skip
+    assert code == 1
+    assert_one_line_error(err, "failed 2 times in a row", "last exit 3")
+
+
+def test_a_fault_aimed_at_a_missing_rank_is_a_usage_error_and_leaves_nothing_running(
+    tmp_path, capsys
+):
+    """The command (RANK=0 in its environment, like a torchrun worker) has no rank 5."""
+    marker = tmp_path / "alive"
+    script = (
+        "import os, sys, time\n"
+        f"open({str(marker)!r}, 'w').write(str(os.getpid()))\n"
+        "for s in range(1, 10**6):\n"
+        "    print(f'step {s}', flush=True); time.sleep(0.05)\n"
+    )
+    code, _out, err = cli(
+        capsys, "chaos", "--run-dir", tmp_path, "--duration", "30", "--quiet",
+        "--target-rank", "5", "--schedule", "kill@0.5",
+        "--", "env", "RANK=0", sys.executable, "-c", script,
+    )  # fmt: skip
+    assert code == 2
+    assert_one_line_error(err, "kill@0.5", "no process with RANK=5", "ranks found: [0]")
+    pid = int(marker.read_text())
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists()
+
+
+def test_the_help_documents_the_faults_and_exit_statuses(capsys):
+    code, out, _err = cli(capsys, "chaos", "--help")
+    assert code == 0
+    assert all(f"  {n}  " in out for n in (0, 1, 2))
+    assert all(kind in out for kind in ("kill@T", "stop@T:S", "term@T:grace=G"))
