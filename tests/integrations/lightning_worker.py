@@ -67,7 +67,9 @@ class Record(Callback):
 
 def loader(kind: str) -> torch.utils.data.DataLoader:
     g = torch.Generator().manual_seed(1)
-    ds = torch.utils.data.TensorDataset(torch.randn(96, 4, generator=g), torch.randn(96, 1, generator=g))
+    ds = torch.utils.data.TensorDataset(
+        torch.randn(96, 4, generator=g), torch.randn(96, 1, generator=g)
+    )
     if kind == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 

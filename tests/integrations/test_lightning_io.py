@@ -20,15 +20,15 @@ import torch.distributed.checkpoint as dcp
 
 pytest.importorskip("lightning")
 
-from lightning.pytorch import Trainer  # noqa: E402  # after the importorskip
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
+from lightning.pytorch import Trainer  # after the importorskip
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
 
-from stalwart.errors import CheckpointCorruptError, CheckpointNotFoundError  # noqa: E402
-from stalwart.integrations.lightning import StalwartCheckpointIO  # noqa: E402
-from stalwart.pipeline import verify_checkpoint  # noqa: E402
-from tests.conftest import flip_byte  # noqa: E402
-from tests.hostile.harness import resign  # noqa: E402
+from stalwart.errors import CheckpointCorruptError, CheckpointNotFoundError
+from stalwart.integrations.lightning import StalwartCheckpointIO
+from stalwart.pipeline import verify_checkpoint
+from tests.conftest import flip_byte
+from tests.hostile.harness import resign
 
 pytestmark = [
     # Lightning's advice about workers, logging intervals and its own deprecations.
@@ -46,9 +46,16 @@ def _checkpoint(step: int, value: float) -> dict[str, Any]:
         "global_step": step,
         "pytorch-lightning_version": "2.6.6",
         "state_dict": {"layer.weight": torch.full((3, 2), value), "layer.bias": torch.zeros(3)},
-        "optimizer_states": [{"state": {0: {"momentum_buffer": torch.ones(3, 2)}}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}],
+        "optimizer_states": [
+            {
+                "state": {0: {"momentum_buffer": torch.ones(3, 2)}},
+                "param_groups": [{"lr": 0.1, "params": [0, 1]}],
+            }
+        ],
         "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 1}}}},
-        "callbacks": {"ModelCheckpoint{'monitor': None}": {"best_model_path": "", "best_k_models": {}}},
+        "callbacks": {
+            "ModelCheckpoint{'monitor': None}": {"best_model_path": "", "best_k_models": {}}
+        },
         "hyper_parameters": {"lr": 0.1, "layers": (3, 2)},
     }
 
@@ -88,7 +95,9 @@ def test_saving_the_same_path_again_commits_a_new_step_and_drops_the_old(tmp_pat
     io.save_checkpoint(_checkpoint(5, 2.0), last)  # same global step: never an overwrite
     io.save_checkpoint(_checkpoint(10, 3.0), last)
 
-    assert sorted(p.name for p in last.iterdir() if p.name.startswith("step_")) == ["step_000000010"]
+    assert sorted(p.name for p in last.iterdir() if p.name.startswith("step_")) == [
+        "step_000000010"
+    ]
     assert io.load_checkpoint(last)["state_dict"]["layer.weight"][0, 0] == 3.0
     assert [e["step"] for e in _events(last) if e["event"] == "save"] == [5, 6, 10]
 
@@ -114,7 +123,9 @@ def test_a_damaged_checkpoint_falls_back_to_the_newest_older_one_with_an_event(
     loaded = io.load_checkpoint(tmp_path / "last.ckpt")
 
     assert loaded["global_step"] == 10  # not the damaged 15s, not an older one
-    (fallback,) = [e for e in _events(tmp_path / "epoch=0-step=10.ckpt") if e["event"] == "restore_fallback"]
+    (fallback,) = [
+        e for e in _events(tmp_path / "epoch=0-step=10.ckpt") if e["event"] == "restore_fallback"
+    ]
     assert fallback["requested"] == str(tmp_path / "last.ckpt")
     assert len(fallback["skipped"]) == 2
     assert all("checksum" in s or "xxh3" in s for s in fallback["skipped"])
@@ -198,11 +209,15 @@ class _Counting(StalwartCheckpointIO):
         super().__init__(**kwargs)
         self.calls: dict[str, list[Any]] = {"save": [], "load": [], "remove": []}
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+    ) -> None:
         self.calls["save"].append(path)
         super().save_checkpoint(checkpoint, path, storage_options)
 
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: Any = None
+    ) -> dict[str, Any]:
         self.calls["load"].append((str(path), weights_only))
         return super().load_checkpoint(path, map_location, weights_only)
 
@@ -211,7 +226,9 @@ class _Counting(StalwartCheckpointIO):
         super().remove_checkpoint(path)
 
 
-def _trainer(tmp_path: Path, io: StalwartCheckpointIO, ck: ModelCheckpoint, **kwargs: Any) -> Trainer:
+def _trainer(
+    tmp_path: Path, io: StalwartCheckpointIO, ck: ModelCheckpoint, **kwargs: Any
+) -> Trainer:
     options: dict[str, Any] = {
         "max_epochs": 2,
         "limit_train_batches": 1,
@@ -270,7 +287,10 @@ def test_lightning_async_top_k_rotation(tmp_path: Path) -> None:
 
     assert len(io.calls["save"]) == 3
     assert len(io.calls["remove"]) == 1
-    assert {p.name for p in tmp_path.glob("*.ckpt")} == {"epoch=1-step=2.ckpt", "epoch=2-step=3.ckpt"}
+    assert {p.name for p in tmp_path.glob("*.ckpt")} == {
+        "epoch=1-step=2.ckpt",
+        "epoch=2-step=3.ckpt",
+    }
     assert io.load_checkpoint(tmp_path / "epoch=2-step=3.ckpt")["global_step"] == 3
 
 
@@ -278,7 +298,9 @@ def test_fit_ckpt_path_last_resumes_from_the_newest_checkpoint_that_verifies(
     tmp_path: Path,
 ) -> None:
     ck = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_last=True)
-    _trainer(tmp_path, StalwartCheckpointIO(), ck, max_epochs=-1, max_steps=6, limit_train_batches=10).fit(BoringModel())
+    _trainer(
+        tmp_path, StalwartCheckpointIO(), ck, max_epochs=-1, max_steps=6, limit_train_batches=10
+    ).fit(BoringModel())
     flip_byte(_data_file(tmp_path / "last.ckpt"))
     flip_byte(_data_file(tmp_path / "epoch=0-step=6.ckpt"))
 
@@ -288,7 +310,9 @@ def test_fit_ckpt_path_last_resumes_from_the_newest_checkpoint_that_verifies(
     trainer.fit(BoringModel(), ckpt_path="last")
 
     assert io.calls["load"] == [(str(tmp_path / "last.ckpt"), None)]
-    (fallback,) = [e for e in _events(tmp_path / "epoch=0-step=4.ckpt") if e["event"] == "restore_fallback"]
+    (fallback,) = [
+        e for e in _events(tmp_path / "epoch=0-step=4.ckpt") if e["event"] == "restore_fallback"
+    ]
     assert fallback["path"] == str(tmp_path / "epoch=0-step=4.ckpt" / "step_000000004")
     assert trainer.global_step == 7
     # Steps 5 and 6 were redone; the new save of step 6 replaced the damaged last.ckpt.
@@ -314,3 +338,26 @@ def test_exploit_payload_is_live(tmp_path: Path) -> None:
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists()
+
+
+def test_durable_copy_is_uploaded_and_restores_a_wiped_local_directory(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    io = StalwartCheckpointIO(durable=f"file://{store}")
+    io.save_checkpoint(_checkpoint(5, 5.0), tmp_path / "run" / "last.ckpt")
+    io.save_checkpoint(_checkpoint(10, 10.0), tmp_path / "run" / "last.ckpt")
+    assert (store / "last.ckpt" / "step_000000010" / "MANIFEST.json").is_file()
+
+    for step_dir in (tmp_path / "run" / "last.ckpt").glob("step_*"):
+        flip_byte(next(step_dir.glob("*.distcp")))  # the local disk went bad
+    loaded = io.load_checkpoint(tmp_path / "run" / "last.ckpt")
+
+    assert loaded["global_step"] == 10
+    assert torch.equal(loaded["state_dict"]["layer.weight"], torch.full((3, 2), 10.0))
+
+
+def test_removing_a_checkpoint_removes_its_durable_copies(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    io = StalwartCheckpointIO(durable=f"file://{store}")
+    io.save_checkpoint(_checkpoint(5, 5.0), tmp_path / "run" / "epoch=0-step=5.ckpt")
+    io.remove_checkpoint(tmp_path / "run" / "epoch=0-step=5.ckpt")
+    assert not list((store / "epoch=0-step=5.ckpt").rglob("MANIFEST.json"))

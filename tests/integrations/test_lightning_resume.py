@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from tests.support.torchrun import ok, torchrun  # noqa: E402
+from tests.support.torchrun import ok, torchrun
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 
@@ -64,9 +64,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     return get
 
 
-@pytest.mark.parametrize(
-    "loader", ["resumable", pytest.param("stateful", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("loader", ["resumable", pytest.param("stateful", marks=pytest.mark.slow)])
 def test_sigkill_mid_epoch_then_fit_last_is_bit_identical(
     tmp_path: Path, straight: Callable[[str], Path], loader: str
 ) -> None:

@@ -73,9 +73,6 @@ __all__ = ["ExactResume", "StalwartCheckpointIO"]
 
 logger = logging.getLogger("stalwart")
 
-_SECTION = "lightning"
-"""The TrainState section holding Lightning's checkpoint dict."""
-
 
 class _Holder:
     """Lightning's checkpoint dict as a stateful object: saved as one blob, loaded back whole."""
@@ -93,7 +90,7 @@ class _Holder:
 def _state_of(holder: _Holder) -> TrainState:
     # rng=False: Lightning's dict is the whole state; ExactResume adds the RNG
     # of every rank to it, which a TrainState on rank 0 alone could not see.
-    return TrainState(rng=False, **{_SECTION: holder})
+    return TrainState(rng=False, lightning=holder)
 
 
 def _global_step(checkpoint: Mapping[str, Any]) -> int:
@@ -132,7 +129,11 @@ class StalwartCheckpointIO(CheckpointIO):
         durable: str | None = None,
         keep_versions: int = 1,
     ) -> None:
-        if not isinstance(keep_versions, int) or isinstance(keep_versions, bool) or keep_versions < 1:
+        if (
+            not isinstance(keep_versions, int)
+            or isinstance(keep_versions, bool)
+            or keep_versions < 1
+        ):
             raise ValueError(
                 f"keep_versions must be an integer >= 1 (steps kept per checkpoint path), "
                 f"got {keep_versions!r}"
@@ -216,14 +217,14 @@ class StalwartCheckpointIO(CheckpointIO):
         )
         if self.durable is not None:
             # Before older steps go: the durable copy of the newest is in place first.
-            from stalwart.storage.durable import DurableTier
-
-            tier = DurableTier(f"{self.durable}/{root.name}")
+            tier = self._tier(root.name)
             try:
                 done = tier.upload(result.path)
+                events.emit("upload", step=result.step, url=tier.url, bytes=done.bytes)
+                for old in tier.committed_steps()[: -self.keep_versions]:
+                    tier.delete(old)
             finally:
                 tier.stop()
-            events.emit("upload", step=result.step, url=tier.url, bytes=done.bytes)
         for old in storage.committed_steps()[: -self.keep_versions]:
             storage.delete(old)
 
@@ -252,7 +253,7 @@ class StalwartCheckpointIO(CheckpointIO):
             )
         device = _device_of(map_location)
         skipped: list[str] = []
-        for candidate in _candidates(requested, skipped):
+        for candidate in self._with_durable(requested, _candidates(requested, skipped), skipped):
             holder = _Holder()
             try:
                 # strict=False: the live holder is empty, its keys come from the checkpoint.
@@ -261,11 +262,14 @@ class StalwartCheckpointIO(CheckpointIO):
                 _skip(skipped, candidate, str(exc))
                 continue
             if not holder.value:
-                _skip(skipped, candidate, "it holds no Lightning checkpoint (no 'lightning' section)")
+                _skip(
+                    skipped, candidate, "it holds no Lightning checkpoint (no 'lightning' section)"
+                )
                 continue
             if skipped:
                 _note_fallback(requested, candidate, skipped)
-            return _to_device(holder.value, device)
+            loaded: dict[str, Any] = _to_device(holder.value, device)
+            return loaded
         raise CheckpointCorruptError(
             f"no checkpoint at or before {requested} verifies ({len(skipped)} tried: "
             + "; ".join(skipped[:4])
@@ -273,6 +277,48 @@ class StalwartCheckpointIO(CheckpointIO):
             "(`stalwart ls` lists what is left)",
             path=str(requested),
         )
+
+    def _with_durable(
+        self, requested: Path, local: Iterator[Path], skipped: list[str]
+    ) -> Iterator[Path]:
+        """The local candidates, then (with ``durable``) the durable copies of ``requested``.
+
+        Only when no local checkpoint loaded: durable steps newest first are
+        downloaded (staged, every file checked against its manifest, then
+        committed) into a hidden directory of this process, so ranks never
+        collide, and removed once read; a wiped local disk still resumes.
+        """
+        yield from local
+        if self.durable is None:
+            return
+        tier = self._tier(requested.name)
+        scratch = requested.with_name(f".{requested.name}.download-{uuid.uuid4().hex[:8]}")
+        storage = LocalStorage(scratch)
+        try:
+            steps = tier.committed_steps()
+            scratch.mkdir(parents=True)
+            for step in reversed(steps):
+                staging = storage.begin(step)
+                try:
+                    manifest = tier.download(step, staging)
+                    storage.commit(staging, step, manifest.decode("utf-8"))
+                except (StalwartError, OSError) as exc:
+                    storage.abort(staging)
+                    _skip(skipped, requested, f"durable copy of step {step}: {exc}")
+                    continue
+                yield storage.step_path(step)
+        except StalwartError as exc:
+            _skip(skipped, requested, f"the durable tier {tier.url} cannot be listed: {exc}")
+        finally:
+            tier.stop()
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _tier(self, name: str) -> Any:
+        """The durable tier of one checkpoint path (``<durable>/<name>``); call ``stop()`` after."""
+        from stalwart.storage.durable import DurableTier
+
+        assert self.durable is not None
+        return DurableTier(f"{self.durable}/{name}")
 
     # ---------------------------------------------------------------- remove
 
@@ -286,6 +332,14 @@ class StalwartCheckpointIO(CheckpointIO):
         """
         self.wait()
         target = Path(path)
+        if self.durable is not None:
+            # The durable copies go with the path: ModelCheckpoint's rotation holds there too.
+            tier = self._tier(target.name)
+            try:
+                for step in tier.committed_steps():
+                    tier.delete(step)
+            finally:
+                tier.stop()
         if not os.path.lexists(target):
             return
         if target.is_symlink() or not target.is_dir():
@@ -484,7 +538,9 @@ class ExactResume(Callback):
             )
         self._pending = mine
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             restore_rng_state(pending)
