@@ -361,3 +361,19 @@ def test_removing_a_checkpoint_removes_its_durable_copies(tmp_path: Path) -> Non
     io.save_checkpoint(_checkpoint(5, 5.0), tmp_path / "run" / "epoch=0-step=5.ckpt")
     io.remove_checkpoint(tmp_path / "run" / "epoch=0-step=5.ckpt")
     assert not list((store / "epoch=0-step=5.ckpt").rglob("MANIFEST.json"))
+
+
+def test_fabric_save_and_load_go_through_the_plugin(tmp_path: Path) -> None:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[StalwartCheckpointIO()])
+    model = fabric.setup(torch.nn.Linear(3, 2))
+    fabric.save(tmp_path / "ck", {"model": model, "step": 3, "note": "x"})
+    verify_checkpoint(tmp_path / "ck" / "step_000000000")
+
+    other = fabric.setup(torch.nn.Linear(3, 2))
+    state: dict[str, Any] = {"model": other, "step": 0}
+    rest = fabric.load(tmp_path / "ck", state)
+
+    assert state["step"] == 3 and rest == {"note": "x"}
+    assert torch.equal(other.weight, model.weight)
