@@ -114,3 +114,15 @@ def test_ddp_rank_killed_and_restarted_by_torchrun_is_bit_identical(tmp_path: Pa
     assert Path(f"{resumed}.killed").exists()
     assert "Restored all states" in proc.stdout + proc.stderr
     _assert_bit_identical(straight, resumed, 2)
+
+
+def test_lightning_resume_example_demo_is_bit_identical(tmp_path: Path) -> None:
+    example = Path(__file__).parents[2] / "examples" / "lightning_resume.py"
+    cmd = [sys.executable, str(example), "--demo", "--workdir", str(tmp_path)]
+    cmd += ["--steps", "20", "--every", "5", "--kill-at", "13"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "killed run exited with -9" in proc.stdout
+    assert "weights identical: True; losses of all 20 steps identical: True" in proc.stdout
