@@ -353,6 +353,11 @@ def test_durable_copy_is_uploaded_and_restores_a_wiped_local_directory(tmp_path:
 
     assert loaded["global_step"] == 10
     assert torch.equal(loaded["state_dict"]["layer.weight"], torch.full((3, 2), 10.0))
+    (fallback,) = [
+        e for e in _events(tmp_path / "run" / "last.ckpt") if e["event"] == "restore_fallback"
+    ]
+    assert "step_000000010" in fallback["skipped"][0]
+    assert not list((tmp_path / "run").glob(".*"))  # the download's scratch directory is gone
 
 
 def test_removing_a_checkpoint_removes_its_durable_copies(tmp_path: Path) -> None:

@@ -191,11 +191,11 @@ class StalwartCheckpointIO(CheckpointIO):
         opened = open_save(storage, step, collect, exists=lambda: False, coordinator=_local())
         opened.state_dict = state.with_rank_values(opened.state_dict, opened.shared)
         fields = _manifest_fields(checkpoint, root)
-        self.last_stall_s = _now() - t0 if self._background is not None else None
         if self._background is None:
             self._commit(storage, opened, fields, root)
             self.last_stall_s = _now() - t0
         else:
+            self.last_stall_s = _now() - t0  # the staging copy: the rest runs in the background
             self._background.submit(lambda: self._commit(storage, opened, fields, root))
 
     def _commit(
@@ -448,8 +448,14 @@ def _skip(skipped: list[str], where: Path, reason: str) -> None:
 
 
 def _note_fallback(requested: Path, loaded: Path, skipped: list[str]) -> None:
-    """Record, on rank 0, in the run directory that was loaded, what was passed over and why."""
-    events = EventLog(loaded.parent / EVENTS_NAME if _rank() == 0 else None, rank=_rank())
+    """Record, on rank 0, in the run directory that was loaded, what was passed over and why.
+
+    A durable copy is loaded from a hidden scratch directory that is removed
+    afterwards: its event goes to the requested path's directory instead.
+    """
+    home = requested if loaded.parent.name.startswith(".") else loaded.parent
+    where = home / EVENTS_NAME if _rank() == 0 and home.is_dir() and not home.is_symlink() else None
+    events = EventLog(where, rank=_rank())
     events.emit(
         "restore_fallback",
         logging.WARNING,
