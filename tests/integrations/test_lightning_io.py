@@ -404,3 +404,14 @@ def test_the_lightning_example_of_docs_integrations_runs(
     assert (
         StalwartCheckpointIO().load_checkpoint(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 3
     )
+
+
+def test_a_crafted_last_ckpt_claiming_an_old_step_still_falls_back_to_the_newest(
+    tmp_path: Path,
+) -> None:
+    io = StalwartCheckpointIO()
+    io.save_checkpoint(_checkpoint(10, 10.0), tmp_path / "epoch=0-step=10.ckpt")
+    io.save_checkpoint(_checkpoint(0, 0.0), tmp_path / "last-v1.ckpt")
+    flip_byte(_data_file(tmp_path / "last-v1.ckpt"))  # damaged, and claims step 0
+
+    assert io.load_checkpoint(tmp_path / "last-v1.ckpt")["global_step"] == 10

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -70,6 +71,9 @@ from stalwart.state import TrainState
 from stalwart.storage.local import LocalStorage
 
 __all__ = ["ExactResume", "StalwartCheckpointIO"]
+
+_LAST = re.compile(r"^last(-v?\d+)?$")
+"""Names ModelCheckpoint gives its last checkpoint (``last``, ``last-v1``), without ``.ckpt``."""
 
 logger = logging.getLogger("stalwart")
 
@@ -418,12 +422,20 @@ def _order_key(step_dir: Path) -> tuple[int, float] | None:
 
 
 def _candidates(requested: Path, skipped: list[str]) -> Iterator[Path]:
-    """Step directories to try for ``requested``: its own steps, then older siblings, newest first."""
+    """Step directories to try for ``requested``: its own steps, then siblings, newest first.
+
+    For an explicit path the siblings are those not newer than it (a fallback
+    goes back, never forward). ``last.ckpt`` / ``last-vN.ckpt`` stand for "the
+    newest", and a crafted one may claim any step, so for them every sibling
+    qualifies.
+    """
     own = _committed(requested)
     if not own:
         _skip(skipped, requested, "not a committed stalwart checkpoint (no step with a manifest)")
     yield from own
-    newest = next((k for k in map(_order_key, own) if k is not None), None)
+    newest = None
+    if not _LAST.match(requested.stem):
+        newest = next((k for k in map(_order_key, own) if k is not None), None)
     siblings: list[tuple[tuple[int, float], Path]] = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(requested.parent):
