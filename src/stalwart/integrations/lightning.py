@@ -44,18 +44,17 @@ from typing import Any
 
 import lightning
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.pytorch.callbacks import Callback
 
 from stalwart._version import __version__
-from stalwart.distributed import Coordinator
+from stalwart.distributed import Coordinator, get_rank
 from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     StalwartError,
 )
 from stalwart.events import EventLog
+from stalwart.integrations._lightning_resume import ExactResume
 from stalwart.layout import EVENTS_NAME
 from stalwart.pipeline import (
     AsyncSaver,
@@ -66,7 +65,6 @@ from stalwart.pipeline import (
     read_manifest,
     write_and_commit,
 )
-from stalwart.rng import capture_rng_state, restore_rng_state
 from stalwart.state import TrainState
 from stalwart.storage.local import LocalStorage
 
@@ -100,10 +98,6 @@ def _state_of(holder: _Holder) -> TrainState:
 def _global_step(checkpoint: Mapping[str, Any]) -> int:
     step = checkpoint.get("global_step", 0)
     return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else 0
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class StalwartCheckpointIO(CheckpointIO):
@@ -454,7 +448,7 @@ def _candidates(requested: Path, skipped: list[str]) -> Iterator[Path]:
 
 def _skip(skipped: list[str], where: Path, reason: str) -> None:
     skipped.append(f"{where}: {reason}")
-    EventLog(None, rank=_rank()).emit(
+    EventLog(None, rank=get_rank()).emit(
         "restore_skipped", logging.WARNING, path=str(where), reason=reason
     )
 
@@ -466,8 +460,10 @@ def _note_fallback(requested: Path, loaded: Path, skipped: list[str]) -> None:
     afterwards: its event goes to the requested path's directory instead.
     """
     home = requested if loaded.parent.name.startswith(".") else loaded.parent
-    where = home / EVENTS_NAME if _rank() == 0 and home.is_dir() and not home.is_symlink() else None
-    events = EventLog(where, rank=_rank())
+    where = (
+        home / EVENTS_NAME if get_rank() == 0 and home.is_dir() and not home.is_symlink() else None
+    )
+    events = EventLog(where, rank=get_rank())
     events.emit(
         "restore_fallback",
         logging.WARNING,
@@ -500,65 +496,3 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, tuple):
         return tuple(_to_device(v, device) for v in value)
     return value
-
-
-# ------------------------------------------------------------------ exact resume
-
-
-class ExactResume(Callback):
-    """Adds every rank's RNG state to Lightning's checkpoint; restores it at the first resumed batch.
-
-    Lightning's checkpoint has no RNG state, and after ``fit(ckpt_path=...)``
-    the dropout masks and random augmentations differ from the run that was
-    not interrupted. This callback captures python ``random``, numpy, torch CPU
-    and CUDA generators of *each* rank when a checkpoint is taken (the ranks
-    gather them, since only rank 0 writes) and puts each rank's own back at the
-    start of the first batch after the restore, not at load time: Lightning
-    creates the data iterator in between, and that draws from the global RNG.
-    A rank beyond the saved world size gets nothing restored (a warning).
-
-    The data position must come from a stateful loader: ``stalwart.ResumableDataLoader``
-    or torchdata's ``StatefulDataLoader`` (Lightning saves and restores its
-    state itself); with a plain ``DataLoader`` a mid-epoch resume replays batches.
-    """
-
-    def __init__(self) -> None:
-        self._pending: Mapping[str, Any] | None = None
-
-    @property
-    def state_key(self) -> str:
-        return "stalwart.ExactResume"
-
-    def state_dict(self) -> dict[str, Any]:
-        """Every rank's RNG state, by rank (collective: Lightning calls it on every rank)."""
-        mine = capture_rng_state()
-        if dist.is_available() and dist.is_initialized():
-            states: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(states, mine)
-        else:
-            states = [mine]
-        return {"world_size": len(states), "rng": {f"rank_{r}": s for r, s in enumerate(states)}}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        rng = state_dict.get("rng")
-        if not isinstance(rng, Mapping):
-            raise ValueError(
-                f"ExactResume state has no 'rng' section (keys: {sorted(state_dict)}); "
-                "it was not saved by stalwart.integrations.lightning.ExactResume"
-            )
-        mine = rng.get(f"rank_{_rank()}")
-        if mine is None:
-            logger.warning(
-                "ExactResume: the checkpoint has RNG states of %d ranks, none for rank %d; "
-                "this rank's random streams start afresh",
-                len(rng),
-                _rank(),
-            )
-        self._pending = mine
-
-    def on_train_batch_start(
-        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            restore_rng_state(pending)
