@@ -64,7 +64,9 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     return get
 
 
-@pytest.mark.parametrize("loader", ["resumable", pytest.param("stateful", marks=pytest.mark.slow)])
+# Slow: the example's demo below runs the same kill and resume on every test run.
+@pytest.mark.slow
+@pytest.mark.parametrize("loader", ["resumable", "stateful"])
 def test_sigkill_mid_epoch_then_fit_last_is_bit_identical(
     tmp_path: Path, straight: Callable[[str], Path], loader: str
 ) -> None:
