@@ -14,6 +14,11 @@ knowledge of the on-disk layout beyond ``stalwart.layout``):
 - ``stalwart.storage.base.CheckpointStorage`` for a primary tier of its own;
 - ``stalwart.catalog`` and ``stalwart.layout`` to read runs; ``stalwart.errors``.
 
+Adapters: ``stalwart.integrations.lightning`` (``StalwartCheckpointIO``, a
+Lightning/Fabric ``CheckpointIO`` plugin, and the ``ExactResume`` callback;
+docs/integrations.md). Each is imported by name, never from here, so the
+framework stays an optional dependency.
+
 Nothing in the library imports this package; see docs/architecture.md.
 """
 
