@@ -77,6 +77,10 @@ def main() -> None:
     ckpt = DeepSpeedCheckpointer(engine, args.dir, data=loader, keep_last=2)
     if args.kill_in_save is not None and rank == args.kill_rank and FIRST_ATTEMPT:
         cut_save_short(engine, args.kill_in_save)
+    latest = os.path.join(args.dir, "latest")
+    if rank == 0 and os.path.exists(latest):
+        with open(latest) as f:
+            say(f"latest {f.read().strip()} committed {sorted(ckpt.manager.all_steps())}")
     start = ckpt.load() or 0
     say(f"rank {rank} start {start}")
     losses = {}
