@@ -146,19 +146,19 @@ def test_torchrun_rank_killed_mid_run_resumes_bit_exactly(tmp_path: Path) -> Non
 def test_torchrun_rank_killed_between_shard_writes_leaves_latest_on_a_committed_tag(
     tmp_path: Path,
 ) -> None:
-    """ZeRO 3: rank 1 dies before writing its optimizer shard of step 4's save. Step 4
-    never commits, ``latest`` still names step 2, and the restart replays from 2 exactly."""
-    common = ("--stage", "3", "--steps", "6")
+    """ZeRO 1: rank 1 dies before writing its optimizer shard of step 6's save. Step 6
+    never commits, ``latest`` still names step 4, and the restart replays from 4 exactly."""
+    common = ("--stage", "1", "--steps", "6")
     ok(torchrun(2, "--dir", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"), *common,
                 script=WORKER))
     proc = ok(
         torchrun(
             2,
             "--dir", str(tmp_path / "run"), "--out", str(tmp_path / "resumed.pt"), *common,
-            "--kill-rank", "1", "--kill-in-save", "4",
+            "--kill-rank", "1", "--kill-in-save", "6",
             restarts=1, script=WORKER,
         )
     )
-    assert "latest global_step2 committed [2]" in proc.stdout
-    assert starts(proc) == [0, 0, 2, 2]
-    assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=2)
+    assert "latest global_step4 committed [2, 4]" in proc.stdout
+    assert starts(proc) == [0, 0, 4, 4]
+    assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=4)
