@@ -92,7 +92,9 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         losses[step + 1] = loss.item()
-        say(f"rank {rank} step {step + 1} loss {loss.item():.10f} x {x.sum().item():.6f} noise {noise.sum().item():.6f}")
+        say(
+            f"rank {rank} step {step + 1} loss {loss.item():.10f} x {x.sum().item():.6f} noise {noise.sum().item():.6f}"
+        )
         if (step + 1) % args.save_every == 0:
             engine.save_checkpoint(args.dir, client_state={"step": step + 1})
         if rank == args.kill_rank and step + 1 == args.kill_after_step and FIRST_ATTEMPT:

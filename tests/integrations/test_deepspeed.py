@@ -9,8 +9,10 @@ weights must be equal, bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,8 +114,6 @@ def test_a_crafted_pickle_with_a_matching_manifest_is_refused_and_never_run(
     run(tmp_path / "run", tmp_path / "ref.pt", "--stage", "1", "--steps", "6")
     marker = tmp_path / "ran"
     step6 = tmp_path / "run" / "step_000000006"
-    import io
-
     buf = io.BytesIO()
     torch.save({"module": RunsCode(marker)}, buf)
     forge(step6, "mp_rank_00_model_states.pt", buf.getvalue())
@@ -129,14 +129,31 @@ def test_torchrun_rank_killed_mid_run_resumes_bit_exactly(tmp_path: Path) -> Non
     """ZeRO 2 on two gloo ranks: rank 1 is SIGKILLed after step 5, torchrun restarts
     both, they resume from step 4 and end where an uninterrupted run ends."""
     common = ("--stage", "2", "--steps", "6")
-    ok(torchrun(2, "--dir", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"), *common,
-                script=WORKER))
+    ok(
+        torchrun(
+            2,
+            "--dir",
+            str(tmp_path / "ref"),
+            "--out",
+            str(tmp_path / "ref.pt"),
+            *common,
+            script=WORKER,
+        )
+    )
     proc = ok(
         torchrun(
             2,
-            "--dir", str(tmp_path / "run"), "--out", str(tmp_path / "resumed.pt"), *common,
-            "--kill-rank", "1", "--kill-after-step", "5",
-            restarts=1, script=WORKER,
+            "--dir",
+            str(tmp_path / "run"),
+            "--out",
+            str(tmp_path / "resumed.pt"),
+            *common,
+            "--kill-rank",
+            "1",
+            "--kill-after-step",
+            "5",
+            restarts=1,
+            script=WORKER,
         )
     )
     assert starts(proc) == [0, 0, 4, 4]
@@ -149,16 +166,64 @@ def test_torchrun_rank_killed_between_shard_writes_leaves_latest_on_a_committed_
     """ZeRO 1: rank 1 dies before writing its optimizer shard of step 6's save. Step 6
     never commits, ``latest`` still names step 4, and the restart replays from 4 exactly."""
     common = ("--stage", "1", "--steps", "6")
-    ok(torchrun(2, "--dir", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"), *common,
-                script=WORKER))
+    ok(
+        torchrun(
+            2,
+            "--dir",
+            str(tmp_path / "ref"),
+            "--out",
+            str(tmp_path / "ref.pt"),
+            *common,
+            script=WORKER,
+        )
+    )
     proc = ok(
         torchrun(
             2,
-            "--dir", str(tmp_path / "run"), "--out", str(tmp_path / "resumed.pt"), *common,
-            "--kill-rank", "1", "--kill-in-save", "6",
-            restarts=1, script=WORKER,
+            "--dir",
+            str(tmp_path / "run"),
+            "--out",
+            str(tmp_path / "resumed.pt"),
+            *common,
+            "--kill-rank",
+            "1",
+            "--kill-in-save",
+            "6",
+            restarts=1,
+            script=WORKER,
         )
     )
     assert "latest global_step4 committed [2, 4]" in proc.stdout
     assert starts(proc) == [0, 0, 4, 4]
     assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=4)
+
+
+def test_the_example_resumes_from_its_durable_copy_after_losing_its_disk(tmp_path: Path) -> None:
+    """examples/deepspeed_resume.py: checkpoints are uploaded (file:// store), only the
+    newest two are kept locally, and with the run directory gone it resumes from the store."""
+    example = Path(__file__).parents[2] / "examples" / "deepspeed_resume.py"
+    store = (tmp_path / "store").as_uri()
+
+    def example_run(steps: int) -> str:
+        proc = subprocess.run(
+            [sys.executable, str(example), "--dir", str(tmp_path / "run"), "--durable", store,
+             "--steps", str(steps), "--save-every", "2"],
+            capture_output=True, text=True, timeout=240,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return proc.stdout
+
+    assert "start 0" in example_run(6)
+    assert sorted(p.name for p in (tmp_path / "run").glob("step_*")) == [
+        "step_000000004",
+        "step_000000006",
+    ]
+    uploaded = sorted(p.name for p in (tmp_path / "store").iterdir())
+    assert "step_000000006" in uploaded
+    shutil.rmtree(tmp_path / "run")
+
+    out = example_run(8)
+
+    assert "start 6" in out
+    assert "step 8 loss" in out

@@ -35,6 +35,7 @@ each file's bytes checked against the manifest again just before decoding.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -310,7 +311,7 @@ class DeepSpeedCheckpointer:
                 return None
             path = self.storage.step_path(step)
             try:
-                manifest = self.coord.agree(lambda: self._decodes(path))
+                manifest = self.coord.agree(functools.partial(self._decodes, path))
             except CheckpointCorruptError as exc:
                 logger.warning("step %d skipped: %s", step, exc)
                 if self.coord.is_leader:
@@ -345,7 +346,9 @@ class DeepSpeedCheckpointer:
         try:
             relative = path.relative_to(self.directory / tag).as_posix()
         except ValueError:
-            raise ValueError(f"DeepSpeed reads {path}, outside the checkpoint {step_path}") from None
+            raise ValueError(
+                f"DeepSpeed reads {path}, outside the checkpoint {step_path}"
+            ) from None
         return _decode(step_path, manifest, relative, map_location)
 
     # ------------------------------------------------------------ lifecycle
@@ -398,4 +401,3 @@ def _decode(step_path: Path, manifest: Manifest, relative: str, map_location: An
 def _allowlisted() -> Iterator[None]:
     with torch.serialization.safe_globals(SAFE_GLOBALS):
         yield
-
