@@ -67,6 +67,7 @@ def forge(step_dir: Path, name: str, payload: bytes) -> None:
     (step_dir / name).write_bytes(payload)
     manifest = Manifest.from_json((step_dir / "MANIFEST.json").read_text())
     size, digest = hash_file(step_dir / name)
+    assert name in {e.path for e in manifest.files}
     files = [
         dataclasses.replace(e, size=size, xxh3_128=digest) if e.path == name else e
         for e in manifest.files
@@ -110,15 +111,16 @@ def test_a_damaged_newest_checkpoint_falls_back_and_resumes_bit_exactly(
 def test_a_crafted_pickle_with_a_matching_manifest_is_refused_and_never_run(
     tmp_path: Path,
 ) -> None:
-    """Checksums cannot stop whoever writes the manifest too: the weights-only decode does."""
-    run(tmp_path / "run", tmp_path / "ref.pt", "--stage", "1", "--steps", "6")
+    """ZeRO 3. Checksums cannot stop whoever writes the manifest too: the weights-only decode does."""
+    run(tmp_path / "run", tmp_path / "ref.pt", "--stage", "3", "--steps", "6")
     marker = tmp_path / "ran"
     step6 = tmp_path / "run" / "step_000000006"
     buf = io.BytesIO()
     torch.save({"module": RunsCode(marker)}, buf)
-    forge(step6, "mp_rank_00_model_states.pt", buf.getvalue())
+    # ZeRO 3 names its model states per rank.
+    forge(step6, "zero_pp_rank_0_mp_rank_00_model_states.pt", buf.getvalue())
 
-    out = run(tmp_path / "run", tmp_path / "resumed.pt", "--stage", "1", "--steps", "6")
+    out = run(tmp_path / "run", tmp_path / "resumed.pt", "--stage", "3", "--steps", "6")
 
     assert not marker.exists()
     assert "rank 0 start 4" in out
