@@ -68,6 +68,7 @@ from stalwart.state import TrainState
 from stalwart.storage.local import LocalStorage
 
 __all__ = [
+    "SAFE_GLOBALS",
     "DeepSpeedCheckpointer",
     "StalwartCheckpointEngine",
     "safe_globals",
@@ -231,6 +232,8 @@ class DeepSpeedCheckpointer:
         """The save in progress: DeepSpeed's tag, its step, the staging directory."""
         self.loading: tuple[str, Path, Manifest] | None = None
         """The load in progress: the tag given to DeepSpeed, the step directory, its manifest."""
+        self.client_state: dict[str, Any] | None = None
+        """What ``engine.load_checkpoint`` returned as client state in the last ``load()``."""
         engine.checkpoint_engine = StalwartCheckpointEngine(self)
 
     # ------------------------------------------------------------------ save
@@ -299,12 +302,13 @@ class DeepSpeedCheckpointer:
         """Restore the newest committed checkpoint that verifies; return its step (None: none).
 
         Collective. Falls back over checkpoints whose files do not match their
-        manifest or do not decode safely (each moved aside, logged), restores
-        the RNG and data position saved with it, then calls
-        ``engine.load_checkpoint`` (``load_kwargs`` are passed on). The client
-        state DeepSpeed returns is in ``client_state`` afterwards.
+        manifest or do not decode safely (each moved aside, logged); a file that
+        cannot be read at all raises ``CheckpointCorruptError`` (``transient``)
+        and keeps the checkpoint. Restores the RNG and data position saved with
+        it, then calls ``engine.load_checkpoint`` (``load_kwargs`` are passed
+        on). The client state DeepSpeed returns is in ``client_state`` afterwards.
         """
-        self.client_state: dict[str, Any] | None = None
+        self.client_state = None
         while True:
             step = self.manager.restore(self.state)
             if step is None:
@@ -313,6 +317,8 @@ class DeepSpeedCheckpointer:
             try:
                 manifest = self.coord.agree(functools.partial(self._decodes, path))
             except CheckpointCorruptError as exc:
+                if exc.transient:
+                    raise
                 logger.warning("step %d skipped: %s", step, exc)
                 if self.coord.is_leader:
                     self.storage.quarantine(step)
@@ -379,8 +385,14 @@ def _decode(step_path: Path, manifest: Manifest, relative: str, map_location: An
         raise CheckpointCorruptError(f"{where}: not listed in the manifest", path=str(where))
     if entry.size > _MAX_FILE_BYTES:
         raise CheckpointCorruptError(f"{where}: implausible size {entry.size}", path=str(where))
-    with open_checkpoint_file(step_path, relative) as (f, size):
-        data = f.read(entry.size + 1) if size == entry.size else b""
+    try:
+        with open_checkpoint_file(step_path, relative) as (f, size):
+            data = f.read(entry.size + 1) if size == entry.size else b""
+    except OSError as exc:
+        # Unreadable says nothing about the bytes: transient, the checkpoint is kept.
+        raise CheckpointCorruptError(
+            f"{where}: cannot be read: {exc}", path=str(where), transient=True
+        ) from exc
     if len(data) != entry.size or xxhash.xxh3_128(data).hexdigest() != entry.xxh3_128:
         raise CheckpointCorruptError(
             f"{where}: does not match its manifest (size or xxh3-128 differs)", path=str(where)
