@@ -229,3 +229,19 @@ def test_the_example_resumes_from_its_durable_copy_after_losing_its_disk(tmp_pat
 
     assert "start 6" in out
     assert "step 8 loss" in out
+
+
+def test_a_tag_must_name_its_step() -> None:
+    from stalwart.integrations.deepspeed import step_of_tag
+
+    assert step_of_tag("global_step12") == 12
+    assert step_of_tag("40") == 40
+    with pytest.raises(ValueError, match="'best' names no step"):
+        step_of_tag("best")
+
+
+def test_the_run_directory_must_be_local() -> None:
+    from stalwart.integrations.deepspeed import DeepSpeedCheckpointer
+
+    with pytest.raises(ValueError, match="give an object store as durable= instead"):
+        DeepSpeedCheckpointer(object(), "s3://bucket/run")
