@@ -128,9 +128,9 @@ def test_a_crafted_pickle_with_a_matching_manifest_is_refused_and_never_run(
 
 
 def test_torchrun_rank_killed_mid_run_resumes_bit_exactly(tmp_path: Path) -> None:
-    """ZeRO 2 on two gloo ranks: rank 1 is SIGKILLed after step 5, torchrun restarts
+    """ZeRO 3 on two gloo ranks: rank 1 is SIGKILLed after step 5, torchrun restarts
     both, they resume from step 4 and end where an uninterrupted run ends."""
-    common = ("--stage", "2", "--steps", "6")
+    common = ("--stage", "3", "--steps", "6")
     ok(
         torchrun(
             2,
