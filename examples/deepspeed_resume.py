@@ -62,7 +62,8 @@ def main() -> None:
     ckpt = DeepSpeedCheckpointer(  # stalwart
         engine, args.dir, data=loader, keep_last=2, durable=args.durable
     )
-    start = ckpt.load() or 0  # stalwart: newest checkpoint that verifies, RNG and data too
+    engine.load_checkpoint(args.dir)  # unchanged: now the newest checkpoint that verifies
+    start = engine.global_steps  # (RNG and data position come back with it)
     if rank == 0:
         print(f"start {start}", flush=True)
 

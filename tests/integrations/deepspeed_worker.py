@@ -3,7 +3,7 @@
 It trains a tiny MLP with a DeepSpeed engine (ZeRO stage ``--stage``) on a
 ``ResumableDataLoader`` with random noise in the loss, saves with
 ``engine.save_checkpoint`` every ``--save-every`` steps through
-``DeepSpeedCheckpointer``, resumes with ``load()``, and can SIGKILL one rank
+``DeepSpeedCheckpointer``, resumes with ``engine.load_checkpoint``, and can SIGKILL one rank
 (once, on the first attempt) after a step or between DeepSpeed's files of a
 save. Rank 0 writes per-step losses and the final weights to ``--out``.
 """
@@ -81,7 +81,8 @@ def main() -> None:
     if rank == 0 and os.path.exists(latest):
         with open(latest) as f:
             say(f"latest {f.read().strip()} committed {sorted(ckpt.manager.all_steps())}")
-    start = ckpt.load() or 0
+    engine.load_checkpoint(args.dir)  # unchanged: verified, with fallback
+    start = engine.global_steps
     say(f"rank {rank} start {start}")
     losses = {}
     batches = loader.forever()

@@ -7,7 +7,7 @@ whether or not the other ranks' shards exist yet. ``DeepSpeedCheckpointer``
 replaces the engine's checkpoint engine with ``StalwartCheckpointEngine``::
 
     ckpt = DeepSpeedCheckpointer(engine, "runs/ds", keep_last=3, data=loader)
-    start = ckpt.load() or 0                        # newest checkpoint that verifies
+    engine.load_checkpoint("runs/ds")               # unchanged: newest checkpoint that verifies
     ...
     engine.save_checkpoint("runs/ds", client_state={...})   # unchanged
 
@@ -25,12 +25,14 @@ A save, on every rank (each step collective over the ranks):
    Only then does DeepSpeed write ``latest``, so it never names an uncommitted tag;
    ``load`` does not read it anyway (the catalog of committed steps decides).
 
-A load (``DeepSpeedCheckpointer.load``) restores the newest committed step
-whose files match the manifest (falling back over damaged ones, moved aside as
-``.step_N.corrupt-…``), checks that every DeepSpeed file decodes with
-``torch.load(weights_only=True)`` (a few DeepSpeed classes allowlisted, see
-``SAFE_GLOBALS``), and only then lets ``engine.load_checkpoint`` read them,
-each file's bytes checked against the manifest again just before decoding.
+A load (``engine.load_checkpoint``, which the checkpointer replaces with its
+own ``load_checkpoint``, or ``DeepSpeedCheckpointer.load``) restores the newest
+committed step whose files match the manifest (falling back over damaged ones,
+moved aside as ``.step_N.corrupt-…``), checks that every DeepSpeed file decodes
+with ``torch.load(weights_only=True)`` (a few DeepSpeed classes allowlisted,
+see ``SAFE_GLOBALS``), and only then lets DeepSpeed's own ``load_checkpoint``
+read them, each file's bytes checked against the manifest again just before
+decoding.
 """
 
 from __future__ import annotations
@@ -184,8 +186,9 @@ class DeepSpeedCheckpointer:
 
     Construct it on every rank after ``deepspeed.initialize`` (the constructor
     is collective, like ``CheckpointManager``'s); it replaces
-    ``engine.checkpoint_engine``. Then ``engine.save_checkpoint(directory)``
-    saves through stalwart and ``load()`` restores. ``data`` (a
+    ``engine.checkpoint_engine`` and ``engine.load_checkpoint``. Then
+    ``engine.save_checkpoint(directory)`` saves through stalwart and
+    ``engine.load_checkpoint(directory)`` (or ``load()``) restores. ``data`` (a
     ``ResumableDataLoader``) and the RNG of every generator (``rng=True``) are
     saved with each checkpoint, since DeepSpeed saves neither. ``keep_last``,
     ``keep_every``, ``durable``, ``metadata``, ``config`` and ``save_timeout``
@@ -234,7 +237,12 @@ class DeepSpeedCheckpointer:
         """The load in progress: the tag given to DeepSpeed, the step directory, its manifest."""
         self.client_state: dict[str, Any] | None = None
         """What ``engine.load_checkpoint`` returned as client state in the last ``load()``."""
+        self.deepspeed_load = engine.load_checkpoint
+        """DeepSpeed's own ``load_checkpoint``, which ``load`` calls once the files are verified."""
         engine.checkpoint_engine = StalwartCheckpointEngine(self)
+        # The instance attribute shadows the class's method: the user's unchanged
+        # engine.load_checkpoint(directory) now verifies and falls back.
+        engine.load_checkpoint = self.load_checkpoint
 
     # ------------------------------------------------------------------ save
 
@@ -298,39 +306,62 @@ class DeepSpeedCheckpointer:
 
     # ------------------------------------------------------------------ load
 
-    def load(self, **load_kwargs: Any) -> int | None:
-        """Restore the newest committed checkpoint that verifies; return its step (None: none).
+    def load(self, *, step: int | None = None, **load_kwargs: Any) -> int | None:
+        """Restore the newest committed checkpoint that verifies (or ``step``); return its step.
 
-        Collective. Falls back over checkpoints whose files do not match their
-        manifest or do not decode safely (each moved aside, logged); a file that
-        cannot be read at all raises ``CheckpointCorruptError`` (``transient``)
-        and keeps the checkpoint. Restores the RNG and data position saved with
-        it, then calls ``engine.load_checkpoint`` (``load_kwargs`` are passed
-        on). The client state DeepSpeed returns is in ``client_state`` afterwards.
+        Collective. Returns None when the run has no committed checkpoint.
+        Falls back over checkpoints whose files do not match their manifest or
+        do not decode safely (each moved aside, logged); with ``step``, such a
+        checkpoint raises ``CheckpointCorruptError`` instead (a missing one
+        ``CheckpointNotFoundError``). A file that cannot be read at all raises
+        ``CheckpointCorruptError`` (``transient``) and keeps the checkpoint.
+        Restores the RNG and data position saved with it, then DeepSpeed's own
+        state through its ``load_checkpoint`` (``load_kwargs`` are passed on).
+        The client state DeepSpeed returns is in ``client_state`` afterwards.
         """
         self.client_state = None
         while True:
-            step = self.manager.restore(self.state)
-            if step is None:
+            restored = self.manager.restore(self.state, step=step)
+            if restored is None:
                 return None
-            path = self.storage.step_path(step)
+            path = self.storage.step_path(restored)
             try:
                 manifest = self.coord.agree(functools.partial(self._decodes, path))
             except CheckpointCorruptError as exc:
-                if exc.transient:
+                if exc.transient or step is not None:
                     raise
-                logger.warning("step %d skipped: %s", step, exc)
+                logger.warning("step %d skipped: %s", restored, exc)
                 if self.coord.is_leader:
-                    self.storage.quarantine(step)
+                    self.storage.quarantine(restored)
                 continue
             self.loading = (path.name, path, manifest)
             try:
-                _load_path, self.client_state = self.engine.load_checkpoint(
+                _path, self.client_state = self.deepspeed_load(
                     str(self.directory), tag=path.name, **load_kwargs
                 )
             finally:
                 self.loading = None
-            return step
+            return restored
+
+    def load_checkpoint(
+        self, load_dir: str | os.PathLike[str], tag: str | None = None, **load_kwargs: Any
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """``engine.load_checkpoint`` once installed: ``load`` with DeepSpeed's signature.
+
+        ``tag=None`` restores the newest checkpoint that verifies (``latest`` is
+        not read), a tag its step. Returns ``(checkpoint path, client state)``,
+        or ``(None, None)`` when there is no checkpoint, as DeepSpeed does.
+        """
+        if Path(load_dir).resolve() != self.directory.resolve():
+            raise ValueError(
+                f"engine.load_checkpoint({os.fspath(load_dir)!r}) but this engine checkpoints "
+                f"into {str(self.directory)!r}; pass that directory"
+            )
+        step = None if tag is None else step_of_tag(tag)
+        restored = self.load(step=step, **load_kwargs)
+        if restored is None:
+            return None, None
+        return str(self.storage.step_path(restored)), self.client_state
 
     def _decodes(self, path: Path) -> Manifest:
         """Check that this rank's share of DeepSpeed's files decode safely; the manifest."""
@@ -345,8 +376,8 @@ class DeepSpeedCheckpointer:
         """``load``: one of DeepSpeed's files of the checkpoint being loaded, verified, decoded."""
         if self.loading is None:
             raise ValueError(
-                f"DeepSpeed reads {path} outside DeepSpeedCheckpointer.load(): call that instead "
-                "of engine.load_checkpoint, so the checkpoint is verified before it is read"
+                f"DeepSpeed reads {path} outside a load of this checkpointer: load with "
+                "engine.load_checkpoint, so the checkpoint is verified before it is read"
             )
         tag, step_path, manifest = self.loading
         try:
