@@ -164,8 +164,9 @@ class StalwartCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepS
         target = self.owner.staged_path(Path(path))
         if target is None:
             raise ValueError(
-                f"DeepSpeed saves {path}, outside the checkpoint being saved "
-                f"({self.owner.directory}); save through engine.save_checkpoint"
+                f"DeepSpeed saves {path}, outside the checkpoint being saved in "
+                f"{self.owner.directory}: only engine.save_checkpoint goes through stalwart "
+                "(save_16bit_model is not supported while a DeepSpeedCheckpointer is installed)"
             )
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target, "wb") as f:
