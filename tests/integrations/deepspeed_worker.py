@@ -38,7 +38,7 @@ def init() -> tuple[int, int]:
     return 0, 1
 
 
-def build(stage: int, world: int) -> torch.nn.Module:
+def build() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
 
@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--kill-in-save", type=int, default=None, help="step whose save is cut short")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    rank, world = init()
+    rank, _world = init()
 
     import deepspeed
 
@@ -63,7 +63,7 @@ def main() -> None:
         torch.randn(64, 2, generator=torch.Generator().manual_seed(2)),
     )
     loader = stalwart.ResumableDataLoader(dataset, batch_size=4, shuffle=True, seed=3)
-    model = build(args.stage, world)
+    model = build()
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
