@@ -1,0 +1,247 @@
+"""DeepSpeed through stalwart: committed, verified, bit-exact resumes, on CPU in real processes.
+
+Each test trains a tiny model with a real DeepSpeed engine in a subprocess
+(``deepspeed_worker.py``), alone or under torchrun with two gloo ranks, and
+compares a resumed run with an uninterrupted one: per-step losses and final
+weights must be equal, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalwart.manifest import Manifest, hash_file
+from tests.conftest import flip_byte
+from tests.support.torchrun import ok, starts, torchrun
+
+pytest.importorskip("deepspeed", reason="the stalwart[deepspeed] extra is not installed")
+
+WORKER = Path(__file__).parent / "deepspeed_worker.py"
+SRC = Path(__file__).parents[2] / "src"
+
+
+@pytest.fixture(autouse=True)
+def deepspeed_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Build DeepSpeed's CPU extension once per environment, in the venv (about 30 s), not per run."""
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    path = os.environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(SRC), path) if p))
+
+
+def run(directory: Path, out: Path, *args: str, check: bool = True) -> str:
+    """One single-process training run of the worker; its stdout."""
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), "--dir", str(directory), "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def assert_resumed_exactly(resumed: Path, reference: Path, start: int) -> None:
+    a, b = torch.load(resumed), torch.load(reference)
+    assert a["start"] == start
+    assert a["losses"] == {s: v for s, v in b["losses"].items() if s > start}
+    assert a["weights"].keys() == b["weights"].keys()
+    for name, tensor in b["weights"].items():
+        assert torch.equal(a["weights"][name], tensor), name
+
+
+def forge(step_dir: Path, name: str, payload: bytes) -> None:
+    """Replace ``name`` with ``payload`` and rewrite the manifest to match: a crafted checkpoint."""
+    (step_dir / name).write_bytes(payload)
+    manifest = Manifest.from_json((step_dir / "MANIFEST.json").read_text())
+    size, digest = hash_file(step_dir / name)
+    assert name in {e.path for e in manifest.files}
+    files = [
+        dataclasses.replace(e, size=size, xxh3_128=digest) if e.path == name else e
+        for e in manifest.files
+    ]
+    (step_dir / "MANIFEST.json").write_text(dataclasses.replace(manifest, files=files).to_json())
+
+
+class RunsCode:
+    """Unpickling this writes a file: proof that a checkpoint ran code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+@pytest.mark.parametrize(
+    ("stage", "damaged"),
+    [(0, "mp_rank_00_model_states.pt"), (2, "zero_pp_rank_0_mp_rank_00_optim_states.pt")],
+)
+def test_a_damaged_newest_checkpoint_falls_back_and_resumes_bit_exactly(
+    tmp_path: Path, stage: int, damaged: str
+) -> None:
+    """ZeRO 0 and 2, one process: every DeepSpeed file is in the manifest; a flipped byte
+    in the newest checkpoint sends the resume to the step before, which replays exactly."""
+    run(tmp_path / "run", tmp_path / "ref.pt", "--stage", str(stage), "--steps", "6")
+    step6 = tmp_path / "run" / "step_000000006"
+    listed = {e["path"] for e in json.loads((step6 / "MANIFEST.json").read_text())["files"]}
+    assert {"mp_rank_00_model_states.pt", damaged} <= listed
+    flip_byte(step6 / damaged, offset=200)
+
+    out = run(tmp_path / "run", tmp_path / "resumed.pt", "--stage", str(stage), "--steps", "6")
+
+    assert "rank 0 start 4" in out
+    # Moved aside, never loaded (the resumed run then saved a new step 6).
+    assert len(list((tmp_path / "run").glob(".step_000000006.corrupt-*"))) == 1
+    assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=4)
+
+
+def test_a_crafted_pickle_with_a_matching_manifest_is_refused_and_never_run(
+    tmp_path: Path,
+) -> None:
+    """ZeRO 3. Checksums cannot stop whoever writes the manifest too: the weights-only decode does."""
+    run(tmp_path / "run", tmp_path / "ref.pt", "--stage", "3", "--steps", "6")
+    marker = tmp_path / "ran"
+    step6 = tmp_path / "run" / "step_000000006"
+    buf = io.BytesIO()
+    torch.save({"module": RunsCode(marker)}, buf)
+    # ZeRO 3 names its model states per rank.
+    forge(step6, "zero_pp_rank_0_mp_rank_00_model_states.pt", buf.getvalue())
+
+    out = run(tmp_path / "run", tmp_path / "resumed.pt", "--stage", "3", "--steps", "6")
+
+    assert not marker.exists()
+    assert "rank 0 start 4" in out
+    assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=4)
+
+
+def test_torchrun_rank_killed_mid_run_resumes_bit_exactly(tmp_path: Path) -> None:
+    """ZeRO 3 on two gloo ranks: rank 1 is SIGKILLed after step 5, torchrun restarts
+    both, they resume from step 4 and end where an uninterrupted run ends."""
+    common = ("--stage", "3", "--steps", "6")
+    ok(
+        torchrun(
+            2,
+            "--dir",
+            str(tmp_path / "ref"),
+            "--out",
+            str(tmp_path / "ref.pt"),
+            *common,
+            script=WORKER,
+        )
+    )
+    proc = ok(
+        torchrun(
+            2,
+            "--dir",
+            str(tmp_path / "run"),
+            "--out",
+            str(tmp_path / "resumed.pt"),
+            *common,
+            "--kill-rank",
+            "1",
+            "--kill-after-step",
+            "5",
+            restarts=1,
+            script=WORKER,
+        )
+    )
+    assert starts(proc) == [0, 0, 4, 4]
+    assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=4)
+
+
+def test_torchrun_rank_killed_between_shard_writes_leaves_latest_on_a_committed_tag(
+    tmp_path: Path,
+) -> None:
+    """ZeRO 1: rank 1 dies before writing its optimizer shard of step 6's save. Step 6
+    never commits, ``latest`` still names step 4, and the restart replays from 4 exactly."""
+    common = ("--stage", "1", "--steps", "6")
+    ok(
+        torchrun(
+            2,
+            "--dir",
+            str(tmp_path / "ref"),
+            "--out",
+            str(tmp_path / "ref.pt"),
+            *common,
+            script=WORKER,
+        )
+    )
+    proc = ok(
+        torchrun(
+            2,
+            "--dir",
+            str(tmp_path / "run"),
+            "--out",
+            str(tmp_path / "resumed.pt"),
+            *common,
+            "--kill-rank",
+            "1",
+            "--kill-in-save",
+            "6",
+            restarts=1,
+            script=WORKER,
+        )
+    )
+    assert "latest global_step4 committed [2, 4]" in proc.stdout
+    assert starts(proc) == [0, 0, 4, 4]
+    assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=4)
+
+
+def test_the_example_resumes_from_its_durable_copy_after_losing_its_disk(tmp_path: Path) -> None:
+    """examples/deepspeed_resume.py: checkpoints are uploaded (file:// store), only the
+    newest two are kept locally, and with the run directory gone it resumes from the store."""
+    example = Path(__file__).parents[2] / "examples" / "deepspeed_resume.py"
+    store = (tmp_path / "store").as_uri()
+
+    def example_run(steps: int) -> str:
+        proc = subprocess.run(
+            [sys.executable, str(example), "--dir", str(tmp_path / "run"), "--durable", store,
+             "--steps", str(steps), "--save-every", "2"],
+            capture_output=True, text=True, timeout=240,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return proc.stdout
+
+    assert "start 0" in example_run(6)
+    assert sorted(p.name for p in (tmp_path / "run").glob("step_*")) == [
+        "step_000000004",
+        "step_000000006",
+    ]
+    uploaded = sorted(p.name for p in (tmp_path / "store").iterdir())
+    assert "step_000000006" in uploaded
+    shutil.rmtree(tmp_path / "run")
+
+    out = example_run(8)
+
+    assert "start 6" in out
+    assert "step 8 loss" in out
+
+
+def test_a_tag_must_name_its_step() -> None:
+    from stalwart.integrations.deepspeed import step_of_tag
+
+    assert step_of_tag("global_step12") == 12
+    assert step_of_tag("40") == 40
+    with pytest.raises(ValueError, match="'best' names no step"):
+        step_of_tag("best")
+
+
+def test_the_run_directory_must_be_local() -> None:
+    from stalwart.integrations.deepspeed import DeepSpeedCheckpointer
+
+    with pytest.raises(ValueError, match="give an object store as durable= instead"):
+        DeepSpeedCheckpointer(object(), "s3://bucket/run")
