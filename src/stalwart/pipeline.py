@@ -40,6 +40,7 @@ from stalwart.manifest import (
     Manifest,
     hash_file,
 )
+from stalwart.reader import VerifiedFileReader, VerifiedFiles, verified_files
 from stalwart.restore_protocol import Restorable
 from stalwart.safe_load import read_dcp_metadata, safe_load
 from stalwart.staging import AsyncSaver, StagingArea, stage_state_dict
@@ -427,16 +428,25 @@ def load_checkpoint(
     """
     coord = coordinator if coordinator is not None else Coordinator(None, timeout=0.0, name="local")
 
-    def check_files() -> tuple[Manifest, Any]:
-        manifest = verify_checkpoint(path, part=(coord.rank, coord.world_size))
-        return manifest, read_dcp_metadata(path)
+    def check_files() -> tuple[VerifiedFiles, Any]:
+        # Each file is read once: checked in memory here (or when first needed),
+        # then DCP reads from those bytes (stalwart.reader).
+        files = verified_files(path, part=(coord.rank, coord.world_size))
+        return files, read_dcp_metadata(path)
 
-    manifest, metadata = _agree(coord, check_files)
+    files, metadata = _agree(coord, check_files)
+    manifest = files.manifest
     group = coord.group if coord.distributed else None
 
     def read(target: dict[str, Any]) -> None:
         if target:
-            _agree(coord, lambda: safe_load(target, path, process_group=group, metadata=metadata))
+            reader = VerifiedFileReader(path, files=files, metadata=metadata)
+            _agree(
+                coord,
+                lambda: safe_load(
+                    target, path, process_group=group, metadata=metadata, reader=reader
+                ),
+            )
 
     plan = state.plan_restore(metadata, strict=strict)
     try:
@@ -450,6 +460,8 @@ def load_checkpoint(
         # passed its own check, undoes what it did to the live objects.
         plan.discard()
         raise
+    finally:
+        files.close()
 
     def apply() -> None:
         try:
