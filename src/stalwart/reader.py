@@ -58,6 +58,7 @@ from stalwart.verify import (
 
 __all__ = ["VerifiedFileReader", "VerifiedFiles", "decode_tensor", "verified_files"]
 
+
 class _Held:
     """One file's bytes: a private, copy-on-write map of the file (never written)."""
 
@@ -274,7 +275,9 @@ _STORAGE_TYPES = {
 """The storage class ``torch.save`` names for each dtype decoded directly."""
 
 
-def decode_tensor(view: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+def decode_tensor(
+    view: memoryview, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor | None:
     """The tensor the ``torch.save`` archive ``view`` holds, as a view of its bytes, or None.
 
     Returns a
@@ -384,7 +387,5 @@ def _tensor_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
         numel *= size
     storage_type = getattr(torch, _STORAGE_TYPES[dtype])
     out = io.BytesIO()
-    _TorchSavePickler(out, ("storage", storage_type, "0", "cpu", numel)).dump(
-        _TensorStandIn(shape)
-    )
+    _TorchSavePickler(out, ("storage", storage_type, "0", "cpu", numel)).dump(_TensorStandIn(shape))
     return out.getvalue()

@@ -90,7 +90,7 @@ def _state_for(
             device = param.device if on_param_device else torch.device("cpu")
             state[name] = torch.zeros((), dtype=dtype, device=device)
         elif shape == tuple(param.shape):
-            state[name] = torch.zeros_like(param, dtype=dtype, requires_grad=False)
+            state[name] = torch.empty_like(param, dtype=dtype, requires_grad=False)
         else:
             return None
     return state
