@@ -358,11 +358,13 @@ class _TensorStandIn:
         self.shape = shape
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        stride, step = [], 1
+        stride: list[int] = []
+        step = 1
         for size in reversed(self.shape):
             stride.append(step)
             step *= size
-        args = (_STORAGE, 0, self.shape, tuple(reversed(stride)), False, collections.OrderedDict())
+        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        args = (_STORAGE, 0, self.shape, tuple(reversed(stride)), False, hooks)
         return (torch._utils._rebuild_tensor_v2, args)
 
 
