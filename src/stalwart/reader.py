@@ -58,9 +58,13 @@ from stalwart.verify import (
 
 __all__ = ["VerifiedFileReader", "VerifiedFiles", "decode_tensor", "verified_files"]
 
+_CHUNK = 8 * 1024 * 1024
+"""Bytes per read call where a file is read rather than mapped."""
+
 
 class _Held:
-    """One file's bytes: a private, copy-on-write map of the file (never written)."""
+    """One file's bytes: a private, copy-on-write map of the file (never written), or,
+    where the file cannot be mapped, a copy read into memory."""
 
     __slots__ = ("view",)
 
@@ -68,16 +72,36 @@ class _Held:
         if not size:
             self.view = memoryview(b"")
             return
-        # A map, not a read into fresh memory: the page cache's pages are used as
-        # they are (no copy, no zeroing of new pages), and the map outlives the
-        # descriptor. Copy-on-write so that torch.frombuffer sees a writable
-        # buffer; nothing ever writes to it.
-        mapped = mmap.mmap(stream.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            # A map, not a read into fresh memory: the page cache's pages are used
+            # as they are (no copy, no zeroing of new pages), and the map outlives
+            # the descriptor. Copy-on-write so that torch.frombuffer sees a
+            # writable buffer; nothing ever writes to it.
+            mapped = mmap.mmap(stream.fileno(), size, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError):
+            # A file system without mmap, or strict overcommit refusing the map.
+            self.view = memoryview(_read_whole(stream, size))
+            return
         if hasattr(mapped, "madvise"):
             # Read-ahead of the whole file starts now, so a cold disk stays busy
             # while the checksum consumes the pages already there.
             mapped.madvise(mmap.MADV_WILLNEED)
         self.view = memoryview(mapped)
+
+
+def _read_whole(stream: io.FileIO, size: int) -> bytearray:
+    """``size`` bytes of ``stream`` (fewer if it is shorter now: a size problem)."""
+    data = bytearray(size)
+    view = memoryview(data)
+    done = 0
+    while done < size:
+        n = stream.readinto(view[done : done + _CHUNK])
+        if not n:
+            del view
+            del data[done:]
+            break
+        done += n
+    return data
 
 
 class VerifiedFiles:
@@ -127,7 +151,8 @@ class VerifiedFiles:
             return self._held[name]
 
     def close(self) -> None:
-        """Let go of every file's bytes (tensors decoded from them keep their own)."""
+        """Let go of every file's bytes (a tensor decoded from a file keeps its map alive
+        until the tensor is dropped; a restore copies them into its targets at once)."""
         with self._lock:
             self._held.clear()
 
@@ -135,7 +160,8 @@ class VerifiedFiles:
         entry = self._entries.get(name)
         if entry is None:
             return FileProblem(name, "is not listed in the manifest; the checkpoint is damaged")
-        self.reads[name] += 1
+        with self._lock:
+            self.reads[name] += 1
         try:
             with open_checkpoint_file(self.directory, name) as (stream, size):
                 problem = size_problem(entry, size)
@@ -144,13 +170,14 @@ class VerifiedFiles:
                 held = _Held(stream, size)
             # xxh3 releases the GIL: several files hash side by side.
             digest = xxhash.xxh3_128(held.view).hexdigest()
+            got = len(held.view)
         except FileNotFoundError:
             return FileProblem(name, "missing (listed in the manifest)")
         except CheckpointCorruptError as exc:
             return FileProblem(name, str(exc).removeprefix(f"{exc.path}: "))
         except OSError as exc:
             return FileProblem(name, f"cannot read ({exc.strerror or exc})", True, exc)
-        problem = checksum_problem(entry, digest)
+        problem = size_problem(entry, got) or checksum_problem(entry, digest)
         return held if problem is None else problem
 
 
