@@ -181,3 +181,49 @@ def test_garbage_is_not_decoded() -> None:
     start = bytes(bent).index(b"FloatStorage")
     bent[start : start + 5] = b"Doubl"  # the pickle no longer matches byte for byte
     assert decode_tensor(memoryview(bent), torch.float32, (3, 4)) is None
+
+
+# ------------------------------------------------------------------ memory
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"/proc/self/status has no {field}")
+
+
+def _can_reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _can_reset_peak_rss(), reason="needs Linux's resettable VmHWM")
+def test_a_restore_into_live_objects_holds_at_most_one_checkpoint_of_extra_memory(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()  # live optimizer state: the restore allocates no state of its own
+    state = stalwart.TrainState(model=model, optimizer=opt, rng=False)
+    with stalwart.CheckpointManager(tmp_path, every_steps=1) as ckpt:
+        ckpt.save(1, state)
+    path = next(tmp_path.glob("step_*"))
+    total = sum(e.size for e in read_manifest(path).files)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    load_checkpoint(path, state)  # first-call costs (imports, DCP) out of the way
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _status_kib("VmRSS") * 1024
+    load_checkpoint(path, state)
+    extra = _status_kib("VmHWM") * 1024 - base
+    # The mapped pages of the files, and little else.
+    assert total > 48 * 2**20 and extra <= 1.05 * total + 4 * 2**20, (extra, total)
+    assert_same(want, dict(model.state_dict()))
