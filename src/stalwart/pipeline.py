@@ -419,6 +419,8 @@ def load_checkpoint(
     ``state`` is a ``TrainState`` or any other ``Restorable``; it is asked for
     one ``RestorePlan``, driven here through files -> metadata -> staged read
     -> check -> in-place read -> apply (see ``stalwart.restore_protocol``).
+    Each file is read once and checked in memory before any of it is
+    deserialized; both reads are served from those bytes (``stalwart.reader``).
     Collective over ``coordinator``: ranks share the checksumming, and an error
     found by any rank (corruption, unsafe content, mismatched keys) is raised on
     every rank, before anything live is modified. An error while the loaded
