@@ -171,6 +171,7 @@ def test_a_shape_or_dtype_other_than_the_metadata_says_is_not_decoded() -> None:
     assert decode_tensor(view, torch.float32, (4, 3)) is None
     assert decode_tensor(view, torch.float32, (3, 5)) is None
     assert decode_tensor(view, torch.int32, (3, 4)) is None
+    assert decode_tensor(view, torch.float32, (-3, -4)) is None
 
 
 def test_garbage_is_not_decoded() -> None:

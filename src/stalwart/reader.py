@@ -314,7 +314,7 @@ def decode_tensor(
     elements, so that reading the storage bytes as such a tensor is what
     unpickling would give. None means "use torch.load": never a guess.
     """
-    if sys.byteorder != "little" or dtype not in _STORAGE_TYPES:
+    if sys.byteorder != "little" or dtype not in _STORAGE_TYPES or min(shape, default=0) < 0:
         return None
     records = _zip_records(view)
     if records is None:
