@@ -17,7 +17,7 @@ import torch
 
 import stalwart
 from stalwart.pipeline import load_checkpoint
-from stalwart.reader import VerifiedFileReader, VerifiedFiles, decode_tensor, verified_files
+from stalwart.reader import VerifiedFileReader, VerifiedFiles, decode_tensor, verified_checkpoint
 from stalwart.safe_load import read_dcp_metadata, safe_load
 from stalwart.verify import read_manifest
 
@@ -92,9 +92,11 @@ def test_ranks_share_the_checking_and_each_file_is_checked_before_use(tmp_path: 
     """Rank 1 of 2 checks only its share up front; a file it needs later is checked then."""
     ckpt, _ = saved(tmp_path / "run")
     manifest = read_manifest(ckpt)
-    files = verified_files(ckpt, part=(1, 2))
-    share = {e.path for e in manifest.files[1::2]}
-    assert set(files.reads) == share
+    files, metadata = verified_checkpoint(ckpt, part=(1, 2))
+    data = [e.path for e in manifest.files if e.path != ".metadata"]
+    share = set(data[1::2])
+    assert set(files.reads) == share | {".metadata"}
+    assert metadata.state_dict_metadata
     other = next(e.path for e in manifest.files if e.path not in share)
     assert len(files.held(other).view) == next(e.size for e in manifest.files if e.path == other)
     assert files.reads[other] == 1

@@ -40,9 +40,9 @@ from stalwart.manifest import (
     Manifest,
     hash_file,
 )
-from stalwart.reader import VerifiedFileReader, VerifiedFiles, verified_files
+from stalwart.reader import VerifiedFileReader, verified_checkpoint
 from stalwart.restore_protocol import Restorable
-from stalwart.safe_load import read_dcp_metadata, safe_load
+from stalwart.safe_load import safe_load
 from stalwart.staging import AsyncSaver, StagingArea, stage_state_dict
 from stalwart.storage.base import CheckpointStorage
 from stalwart.verify import FileProblem, file_problems, read_manifest, verify_checkpoint
@@ -430,13 +430,11 @@ def load_checkpoint(
     """
     coord = coordinator if coordinator is not None else Coordinator(None, timeout=0.0, name="local")
 
-    def check_files() -> tuple[VerifiedFiles, Any]:
-        # Each file is read once: checked in memory here (or when first needed),
-        # then DCP reads from those bytes (stalwart.reader).
-        files = verified_files(path, part=(coord.rank, coord.world_size))
-        return files, read_dcp_metadata(path)
-
-    files, metadata = _agree(coord, check_files)
+    # Each file is read once: checked in memory here (or when first needed),
+    # then DCP reads from those bytes (stalwart.reader).
+    files, metadata = _agree(
+        coord, lambda: verified_checkpoint(path, part=(coord.rank, coord.world_size))
+    )
     manifest = files.manifest
     group = coord.group if coord.distributed else None
 

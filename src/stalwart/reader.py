@@ -46,7 +46,7 @@ from torch.futures import Future
 
 from stalwart.errors import CheckpointCorruptError
 from stalwart.manifest import Manifest, open_checkpoint_file
-from stalwart.safe_load import SafeFileSystemReader
+from stalwart.safe_load import SafeFileSystemReader, read_dcp_metadata
 from stalwart.verify import (
     VERIFY_THREADS,
     FileProblem,
@@ -56,7 +56,10 @@ from stalwart.verify import (
     size_problem,
 )
 
-__all__ = ["VerifiedFileReader", "VerifiedFiles", "decode_tensor", "verified_files"]
+__all__ = ["VerifiedFileReader", "VerifiedFiles", "decode_tensor", "verified_checkpoint"]
+
+_METADATA = ".metadata"
+"""DCP's metadata file (the global one; ``dcp_metadata`` reads it)."""
 
 _CHUNK = 8 * 1024 * 1024
 """Bytes per read call where a file is read rather than mapped."""
@@ -181,23 +184,38 @@ class VerifiedFiles:
         return held if problem is None else problem
 
 
-def verified_files(path: Path, *, part: tuple[int, int] = (0, 1)) -> VerifiedFiles:
+def verified_checkpoint(
+    path: Path, *, part: tuple[int, int] = (0, 1)
+) -> tuple[VerifiedFiles, Metadata]:
     """A restore's gate: the manifest (``read_manifest``), the size of every file, and
-    this rank's share of the files read and checked into memory.
+    this rank's share of the files read and checked into memory; with the DCP
+    metadata, read by the restricted unpickler once its file's checksum matched.
 
-    ``part=(rank, world_size)`` takes every world_size-th file, so the ranks
-    share the reading and together check every file; a file a rank's load
-    needs from another share is read and checked when it is needed
-    (``VerifiedFileReader``). Raises what ``verify_checkpoint`` raises.
+    ``part=(rank, world_size)`` takes every world_size-th data file, so the
+    ranks share the reading and together check every file; a file a rank's
+    load needs from another share is read and checked when it is needed
+    (``VerifiedFileReader``). The metadata is read while the data files are
+    hashed (xxh3 releases the GIL). Raises what ``verify_checkpoint`` and
+    ``read_dcp_metadata`` raise; a damaged file before anything the metadata says.
     """
     manifest = read_manifest(path)
     problems = file_problems(path, manifest, checksums=False, first_only=True)
     if problems:
         raise problems[0].error(path)
     files = VerifiedFiles(path, manifest)
+    listed = [entry.path for entry in manifest.files]
+    if _METADATA in listed:
+        files.verify([_METADATA])  # a few KiB; every rank reads it
     rank, world = part
-    files.verify(entry.path for entry in manifest.files[rank::world])
-    return files
+    share = [name for name in listed if name != _METADATA][rank::world]
+    with concurrent.futures.ThreadPoolExecutor(1, "stalwart-verify") as pool:
+        checked = pool.submit(files.verify, share)
+        try:
+            metadata = read_dcp_metadata(path)
+        finally:
+            # A damaged file is the reason given, before anything the metadata said.
+            checked.result()
+    return files, metadata
 
 
 class VerifiedFileReader(SafeFileSystemReader):
