@@ -40,8 +40,9 @@ from stalwart.manifest import (
     Manifest,
     hash_file,
 )
+from stalwart.reader import VerifiedFileReader, verified_checkpoint
 from stalwart.restore_protocol import Restorable
-from stalwart.safe_load import read_dcp_metadata, safe_load
+from stalwart.safe_load import safe_load
 from stalwart.staging import AsyncSaver, StagingArea, stage_state_dict
 from stalwart.storage.base import CheckpointStorage
 from stalwart.verify import FileProblem, file_problems, read_manifest, verify_checkpoint
@@ -418,6 +419,8 @@ def load_checkpoint(
     ``state`` is a ``TrainState`` or any other ``Restorable``; it is asked for
     one ``RestorePlan``, driven here through files -> metadata -> staged read
     -> check -> in-place read -> apply (see ``stalwart.restore_protocol``).
+    Each file is read once and checked in memory before any of it is
+    deserialized; both reads are served from those bytes (``stalwart.reader``).
     Collective over ``coordinator``: ranks share the checksumming, and an error
     found by any rank (corruption, unsafe content, mismatched keys) is raised on
     every rank, before anything live is modified. An error while the loaded
@@ -427,16 +430,23 @@ def load_checkpoint(
     """
     coord = coordinator if coordinator is not None else Coordinator(None, timeout=0.0, name="local")
 
-    def check_files() -> tuple[Manifest, Any]:
-        manifest = verify_checkpoint(path, part=(coord.rank, coord.world_size))
-        return manifest, read_dcp_metadata(path)
-
-    manifest, metadata = _agree(coord, check_files)
+    # Each file is read once: checked in memory here (or when first needed),
+    # then DCP reads from those bytes (stalwart.reader).
+    files, metadata = _agree(
+        coord, lambda: verified_checkpoint(path, part=(coord.rank, coord.world_size))
+    )
+    manifest = files.manifest
     group = coord.group if coord.distributed else None
 
     def read(target: dict[str, Any]) -> None:
         if target:
-            _agree(coord, lambda: safe_load(target, path, process_group=group, metadata=metadata))
+            reader = VerifiedFileReader(path, files=files, metadata=metadata)
+            _agree(
+                coord,
+                lambda: safe_load(
+                    target, path, process_group=group, metadata=metadata, reader=reader
+                ),
+            )
 
     plan = state.plan_restore(metadata, strict=strict)
     try:
@@ -450,6 +460,8 @@ def load_checkpoint(
         # passed its own check, undoes what it did to the live objects.
         plan.discard()
         raise
+    finally:
+        files.close()
 
     def apply() -> None:
         try:

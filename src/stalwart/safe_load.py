@@ -225,11 +225,14 @@ def safe_load(
     *,
     process_group: torch.distributed.ProcessGroup | None = None,
     metadata: Metadata | None = None,
+    reader: SafeFileSystemReader | None = None,
 ) -> None:
     """``dcp.load`` into ``state_dict`` in place, without running code from the checkpoint.
 
     Collective: every rank of ``process_group`` calls it (or a single process
-    with no process group). Blocks until the data is read.
+    with no process group). Blocks until the data is read. ``reader`` replaces
+    the default ``SafeFileSystemReader(checkpoint_dir, metadata=metadata)`` (a
+    restore passes ``stalwart.reader.VerifiedFileReader``, which reads each file once).
 
     Raises ``UnsafeCheckpointError`` when metadata or a non-tensor value would
     need a full unpickler, ``CheckpointCorruptError`` for any other failure DCP
@@ -241,7 +244,8 @@ def safe_load(
     directory = os.fspath(checkpoint_dir)
     if not os.path.isdir(directory):
         raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
-    reader = SafeFileSystemReader(directory, metadata=metadata)
+    if reader is None:
+        reader = SafeFileSystemReader(directory, metadata=metadata)
     single = process_group is None and not (dist.is_available() and dist.is_initialized())
     try:
         with warnings.catch_warnings():

@@ -24,7 +24,15 @@ from stalwart.manifest import (
 )
 from stalwart.storage.local import step_of_dir_name
 
-__all__ = ["VERIFY_THREADS", "FileProblem", "file_problems", "read_manifest", "verify_checkpoint"]
+__all__ = [
+    "VERIFY_THREADS",
+    "FileProblem",
+    "checksum_problem",
+    "file_problems",
+    "read_manifest",
+    "size_problem",
+    "verify_checkpoint",
+]
 
 VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Files of one checkpoint read and hashed at the same time when verifying."""
@@ -88,6 +96,26 @@ class FileProblem:
         return error
 
 
+def size_problem(entry: FileEntry, size: int) -> FileProblem | None:
+    """The problem of a file of ``size`` bytes listed as ``entry``, or None when it fits."""
+    if size == entry.size:
+        return None
+    return FileProblem(
+        entry.path, f"size {size} bytes, manifest says {entry.size} (truncated or overwritten)"
+    )
+
+
+def checksum_problem(entry: FileEntry, digest: str) -> FileProblem | None:
+    """The problem of a file whose xxh3-128 is ``digest``, or None when it is the manifest's."""
+    if digest == entry.xxh3_128:
+        return None
+    return FileProblem(
+        entry.path,
+        f"checksum mismatch (xxh3-128 {digest}, manifest says {entry.xxh3_128}); "
+        "the file is damaged",
+    )
+
+
 def file_problems(
     path: Path,
     manifest: Manifest,
@@ -120,15 +148,11 @@ def file_problems(
                 FileProblem(entry.path, f"cannot read ({exc.strerror or exc})", True, exc)
             )
         else:
-            if size == entry.size:
+            problem = size_problem(entry, size)
+            if problem is None:
                 sized.add(entry.path)
                 continue
-            problems.append(
-                FileProblem(
-                    entry.path,
-                    f"size {size} bytes, manifest says {entry.size} (truncated or overwritten)",
-                )
-            )
+            problems.append(problem)
         if first_only:
             return problems
     if not checksums:
@@ -146,13 +170,7 @@ def file_problems(
         finally:
             if advance is not None:
                 advance(entry.size)
-        if digest == entry.xxh3_128:
-            return None
-        return FileProblem(
-            entry.path,
-            f"checksum mismatch (xxh3-128 {digest}, manifest says {entry.xxh3_128}); "
-            "the file is damaged",
-        )
+        return checksum_problem(entry, digest)
 
     # Files are read and hashed side by side (xxh3 and file reads release the GIL),
     # so a checkpoint of several files verifies at the disk's speed, not one file's.

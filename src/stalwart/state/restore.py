@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from stalwart import distributed
 from stalwart.errors import StateMismatchError
+from stalwart.state.optim_state import materialise_optimizer_state
 from stalwart.state.per_rank import PER_RANK, with_own_blobs
 from stalwart.state.plain import META, preview, unblob
 
@@ -58,8 +59,10 @@ class TrainStatePlan:
         self.strict = strict
         self._live: dict[str, Any] | None = None
         # Optimizers without state before the plan touched them: building the
-        # live state dict gives them a zero-lr step's state, undone by discard.
+        # live state dict gives them state (zeros, or a zero-lr step's), undone by discard.
         self._fresh = [opt for opt in state.optimizers if not opt.state]
+        self.materialised = 0
+        """Fresh optimizers given their state from the metadata (the rest took DCP's step)."""
 
     def staged(self) -> dict[str, Any]:
         """Placeholders for every non-module, non-optimizer entry of the checkpoint.
@@ -126,6 +129,12 @@ class TrainStatePlan:
         if self._live is None:
             tree: dict[str, Any] = {}
             for unit in self.state.units:
+                for opt in unit.optimizers:
+                    if opt in self._fresh and unit.optim_path is not None:
+                        section = ".".join(unit.optim_path)
+                        self.materialised += materialise_optimizer_state(
+                            unit.module, opt, self.metadata, section
+                        )
                 unit.live(tree)
             self._live = tree
         return self._live

@@ -1,0 +1,438 @@
+"""Reading a checkpoint's files once: checked in memory, then handed to DCP from there.
+
+A restore used to read every file twice: once to check its size and xxh3-128
+against the manifest, once more when DCP read the data, with one ``torch.load``
+per tensor. ``VerifiedFiles`` maps each file once (the page cache's pages, no
+copy into fresh memory) and hashes it; a file is used only after its whole
+checksum matched, so nothing of a damaged or swapped file is ever
+deserialized. ``VerifiedFileReader`` is the DCP ``StorageReader`` that serves a
+load plan from those maps. Committed checkpoint files are never written again
+(a new checkpoint is a new directory; gc unlinks, which a map survives); a file
+changed in place by something else between the check and the load is the same
+exposure the two reads had before, and one truncated in that window would end
+the process with SIGBUS instead of an error.
+
+A tensor item DCP wrote is a ``torch.save`` of one tensor: a zip archive whose
+``data.pkl`` says which storage record holds its bytes, with what shape. When
+that pickle is byte for byte the one torch writes for a contiguous tensor of
+the dtype and shape the (already checked) DCP metadata records, the tensor is
+a view of the storage record's bytes: nothing is unpickled at all. Any other
+item (another layout, another torch's pickle, a compressed or zip64 archive)
+goes through ``torch.load(weights_only=True)`` on the same bytes, as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import functools
+import io
+import mmap
+import os
+import pickle
+import struct
+import sys
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from stalwart.errors import CheckpointCorruptError
+from stalwart.manifest import Manifest, open_checkpoint_file
+from stalwart.safe_load import SafeFileSystemReader, read_dcp_metadata
+from stalwart.verify import (
+    VERIFY_THREADS,
+    FileProblem,
+    checksum_problem,
+    file_problems,
+    read_manifest,
+    size_problem,
+)
+
+__all__ = ["VerifiedFileReader", "VerifiedFiles", "decode_tensor", "verified_checkpoint"]
+
+_METADATA = ".metadata"
+"""DCP's metadata file (the global one; ``dcp_metadata`` reads it)."""
+
+_CHUNK = 8 * 1024 * 1024
+"""Bytes per read call where a file is read rather than mapped."""
+
+
+class _Held:
+    """One file's bytes: a private, copy-on-write map of the file (never written), or,
+    where the file cannot be mapped, a copy read into memory."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, stream: io.FileIO, size: int) -> None:
+        if not size:
+            self.view = memoryview(b"")
+            return
+        try:
+            # A map, not a read into fresh memory: the page cache's pages are used
+            # as they are (no copy, no zeroing of new pages), and the map outlives
+            # the descriptor. Copy-on-write so that torch.frombuffer sees a
+            # writable buffer; nothing ever writes to it.
+            mapped = mmap.mmap(stream.fileno(), size, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError):
+            # A file system without mmap, or strict overcommit refusing the map.
+            self.view = memoryview(_read_whole(stream, size))
+            return
+        if hasattr(mapped, "madvise"):
+            # Read-ahead of the whole file starts now, so a cold disk stays busy
+            # while the checksum consumes the pages already there.
+            mapped.madvise(mmap.MADV_WILLNEED)
+        self.view = memoryview(mapped)
+
+
+def _read_whole(stream: io.FileIO, size: int) -> bytearray:
+    """``size`` bytes of ``stream`` (fewer if it is shorter now: a size problem)."""
+    data = bytearray(size)
+    view = memoryview(data)
+    done = 0
+    while done < size:
+        n = stream.readinto(view[done : done + _CHUNK])
+        if not n:
+            del view
+            del data[done:]
+            break
+        done += n
+    return data
+
+
+class VerifiedFiles:
+    """The files of one checkpoint, each read from disk once and checked against the
+    manifest (size, then xxh3-128) in memory before anything may use it.
+
+    Holds what it read until ``close``: at most every file of the checkpoint,
+    so a restore's extra memory is at most one checkpoint's size. ``verify``
+    and ``held`` may be called from any thread.
+    """
+
+    def __init__(self, directory: Path, manifest: Manifest) -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self._entries = {entry.path: entry for entry in manifest.files}
+        self._held: dict[str, _Held] = {}
+        self._lock = threading.Lock()
+        self.reads: collections.Counter[str] = collections.Counter()
+        """How many times each file was read from disk (once, unless it was bad)."""
+
+    def verify(self, names: Iterable[str]) -> None:
+        """Read and check each of ``names`` not held yet, several files side by side.
+
+        Raises ``CheckpointCorruptError`` for the first bad file (in ``names``
+        order; transient for an I/O error); nothing of a bad file is kept.
+        """
+        with self._lock:
+            todo = [name for name in dict.fromkeys(names) if name not in self._held]
+        if not todo:
+            return
+        if len(todo) == 1:
+            results = [self._read(todo[0])]
+        else:
+            workers = min(len(todo), VERIFY_THREADS)
+            with concurrent.futures.ThreadPoolExecutor(workers, "stalwart-read") as pool:
+                results = list(pool.map(self._read, todo))
+        for name, result in zip(todo, results, strict=True):
+            if isinstance(result, FileProblem):
+                raise result.error(self.directory)
+            with self._lock:
+                self._held[name] = result
+
+    def held(self, name: str) -> _Held:
+        """The checked bytes of ``name``, reading and checking it first if needed."""
+        self.verify([name])
+        with self._lock:
+            return self._held[name]
+
+    def close(self) -> None:
+        """Let go of every file's bytes (a tensor decoded from a file keeps its map alive
+        until the tensor is dropped; a restore copies them into its targets at once)."""
+        with self._lock:
+            self._held.clear()
+
+    def _read(self, name: str) -> _Held | FileProblem:
+        entry = self._entries.get(name)
+        if entry is None:
+            return FileProblem(name, "is not listed in the manifest; the checkpoint is damaged")
+        with self._lock:
+            self.reads[name] += 1
+        try:
+            with open_checkpoint_file(self.directory, name) as (stream, size):
+                problem = size_problem(entry, size)
+                if problem is not None:
+                    return problem
+                held = _Held(stream, size)
+            # xxh3 releases the GIL: several files hash side by side.
+            digest = xxhash.xxh3_128(held.view).hexdigest()
+            got = len(held.view)
+        except FileNotFoundError:
+            return FileProblem(name, "missing (listed in the manifest)")
+        except CheckpointCorruptError as exc:
+            return FileProblem(name, str(exc).removeprefix(f"{exc.path}: "))
+        except OSError as exc:
+            return FileProblem(name, f"cannot read ({exc.strerror or exc})", True, exc)
+        problem = size_problem(entry, got) or checksum_problem(entry, digest)
+        return held if problem is None else problem
+
+
+def verified_checkpoint(
+    path: Path, *, part: tuple[int, int] = (0, 1)
+) -> tuple[VerifiedFiles, Metadata]:
+    """A restore's gate: the manifest (``read_manifest``), the size of every file, and
+    this rank's share of the files read and checked into memory; with the DCP
+    metadata, read by the restricted unpickler once its file's checksum matched.
+
+    ``part=(rank, world_size)`` takes every world_size-th data file, so the
+    ranks share the reading and together check every file; a file a rank's
+    load needs from another share is read and checked when it is needed
+    (``VerifiedFileReader``). The metadata is read while the data files are
+    hashed (xxh3 releases the GIL). Raises what ``verify_checkpoint`` and
+    ``read_dcp_metadata`` raise; a damaged file before anything the metadata says.
+    """
+    manifest = read_manifest(path)
+    problems = file_problems(path, manifest, checksums=False, first_only=True)
+    if problems:
+        raise problems[0].error(path)
+    files = VerifiedFiles(path, manifest)
+    listed = [entry.path for entry in manifest.files]
+    if _METADATA in listed:
+        files.verify([_METADATA])  # a few KiB; every rank reads it
+    rank, world = part
+    share = [name for name in listed if name != _METADATA][rank::world]
+    with concurrent.futures.ThreadPoolExecutor(1, "stalwart-verify") as pool:
+        checked = pool.submit(files.verify, share)
+        try:
+            metadata = read_dcp_metadata(path)
+        finally:
+            # A damaged file is the reason given, before anything the metadata said.
+            checked.result()
+    return files, metadata
+
+
+class VerifiedFileReader(SafeFileSystemReader):
+    """``SafeFileSystemReader`` that serves DCP's reads from ``VerifiedFiles``.
+
+    Every file of a load plan is read and checked before any of its items is
+    deserialized; tensor items are decoded by ``decode_tensor`` where it is
+    safe, by ``torch.load(weights_only=True)`` otherwise; bytes items go to the
+    planner (``SafeLoadPlanner`` reads them with ``weights_only=True``).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, files: VerifiedFiles, metadata: Metadata | None
+    ) -> None:
+        super().__init__(path, metadata=metadata)
+        self.files = files
+        self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.decoded = 0
+        """Tensor items decoded without torch.load (the tests check the fast path is taken)."""
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for chunk in md.chunks:
+                    index = MetadataIndex(fqn, chunk.offsets)
+                    self._chunks[index] = (md.properties.dtype, tuple(chunk.sizes))
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        # Every file this rank reads is checked before any item is deserialized.
+        self.files.verify(per_file)
+        for name, items in per_file.items():
+            held = self.files.held(name)
+            for item in items:
+                self._read_item(name, held, item, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_item(self, name: str, held: _Held, item: ReadItem, planner: LoadPlanner) -> None:
+        info = self.storage_data[item.storage_index]
+        start, end = info.offset, info.offset + info.length
+        if end > len(held.view):
+            where = os.path.join(os.fspath(self.path), name)
+            raise CheckpointCorruptError(
+                f"{where}: item {item.storage_index.fqn!r} at bytes {start}..{end} lies past "
+                f"the end of the file ({len(held.view)} bytes); the DCP metadata is damaged",
+                path=where,
+            )
+        if info.transform_descriptors:
+            # An extension's encoding (compression, ...): DCP's own transforms undo it.
+            stream = self.transforms.transform_load_stream(
+                item, info.transform_descriptors, io.BytesIO(held.view[start:end])
+            )
+            blob = memoryview(stream.read(-1))
+        else:
+            blob = held.view[start:end]
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(blob))
+            return
+        expected = self._chunks.get(item.storage_index)
+        tensor = None
+        if expected is not None and not info.transform_descriptors:
+            tensor = decode_tensor(blob, *expected)
+        if tensor is None:
+            tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        else:
+            self.decoded += 1
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CheckpointCorruptError(
+                f"{self.path}: item {item.storage_index.fqn!r} holds shape {list(tensor.size())}, "
+                f"the load plan expects {list(target.size())}; the DCP metadata is damaged",
+                path=os.fspath(self.path),
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+
+# ---------------------------------------------------------------- direct decoding
+
+_STORAGE_TYPES = {
+    torch.float32: "FloatStorage",
+    torch.float64: "DoubleStorage",
+    torch.float16: "HalfStorage",
+    torch.bfloat16: "BFloat16Storage",
+    torch.int64: "LongStorage",
+    torch.int32: "IntStorage",
+    torch.int16: "ShortStorage",
+    torch.int8: "CharStorage",
+    torch.uint8: "ByteStorage",
+    torch.bool: "BoolStorage",
+}
+"""The storage class ``torch.save`` names for each dtype decoded directly."""
+
+
+def decode_tensor(
+    view: memoryview, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor | None:
+    """The tensor the ``torch.save`` archive ``view`` holds, as a view of its bytes, or None.
+
+    Returns a
+    tensor only when the archive is uncompressed, little-endian, and its
+    ``data.pkl`` is byte for byte what ``torch.save`` writes for a contiguous
+    CPU tensor of ``dtype`` and ``shape`` over a storage of exactly its
+    elements, so that reading the storage bytes as such a tensor is what
+    unpickling would give. None means "use torch.load": never a guess.
+    """
+    if sys.byteorder != "little" or dtype not in _STORAGE_TYPES or min(shape, default=0) < 0:
+        return None
+    records = _zip_records(view)
+    if records is None:
+        return None
+    prefixes = {name.split("/", 1)[0] for name in records}
+    if len(prefixes) != 1:
+        return None
+    prefix = prefixes.pop()
+    pkl, order, data = (records.get(f"{prefix}/{n}") for n in ("data.pkl", "byteorder", "data/0"))
+    if pkl is None or order is None or data is None:
+        return None
+    if any(name.startswith(f"{prefix}/data/") and name != f"{prefix}/data/0" for name in records):
+        return None
+    if bytes(view[order[0] : order[0] + order[1]]) != b"little":
+        return None
+    numel = 1
+    for size in shape:
+        numel *= size
+    if data[1] != numel * dtype.itemsize:
+        return None
+    if bytes(view[pkl[0] : pkl[0] + pkl[1]]) != _tensor_pickle(dtype, shape):
+        return None
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    # frombuffer keeps the buffer alive and allows a start at any byte.
+    return torch.frombuffer(view[data[0] : data[0] + data[1]], dtype=dtype).view(shape)
+
+
+def _zip_records(view: memoryview) -> dict[str, tuple[int, int]] | None:
+    """``{name: (data offset, size)}`` of a stored (uncompressed) zip archive, or None
+    for anything else (zip64, a comment, compression, a bound out of range)."""
+    end = len(view) - 22
+    if end < 0 or bytes(view[end : end + 4]) != b"PK\x05\x06":
+        return None
+    count, cd_size, cd_offset, comment = struct.unpack_from("<10xHIIH", view, end)
+    if comment or cd_offset + cd_size > end or count == 0xFFFF:
+        return None
+    records: dict[str, tuple[int, int]] = {}
+    pos = cd_offset
+    for _ in range(count):
+        if pos + 46 > end or bytes(view[pos : pos + 4]) != b"PK\x01\x02":
+            return None
+        method, packed, size, n_name, n_extra, n_comment, local = struct.unpack_from(
+            "<10xH8xIIHHH8xI", view, pos
+        )
+        name = bytes(view[pos + 46 : pos + 46 + n_name]).decode("utf-8", "replace")
+        pos += 46 + n_name + n_extra + n_comment
+        if method != 0 or packed != size or size == 0xFFFFFFFF or local + 30 > end:
+            return None
+        if bytes(view[local : local + 4]) != b"PK\x03\x04":
+            return None
+        l_name, l_extra = struct.unpack_from("<HH", view, local + 26)
+        start = local + 30 + l_name + l_extra
+        if start + size > end or name in records:
+            return None
+        records[name] = (start, size)
+    return records
+
+
+class _Storage:
+    """Stands for the tensor's storage in ``_tensor_pickle`` (a persistent id)."""
+
+
+class _TensorStandIn:
+    """Pickles as ``torch.save`` pickles a contiguous, offset-0, detached CPU tensor."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        stride: list[int] = []
+        step = 1
+        for size in reversed(self.shape):
+            stride.append(step)
+            step *= size
+        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        args = (_STORAGE, 0, self.shape, tuple(reversed(stride)), False, hooks)
+        return (torch._utils._rebuild_tensor_v2, args)
+
+
+_STORAGE = _Storage()
+
+
+class _TorchSavePickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, key: tuple[Any, ...]) -> None:
+        super().__init__(file, protocol=2)
+        self._key = key
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self._key if obj is _STORAGE else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _tensor_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    """The ``data.pkl`` ``torch.save`` writes for a contiguous CPU tensor of ``dtype``
+    and ``shape`` whose storage is its elements (record ``0``)."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    storage_type = getattr(torch, _STORAGE_TYPES[dtype])
+    out = io.BytesIO()
+    _TorchSavePickler(out, ("storage", storage_type, "0", "cpu", numel)).dump(_TensorStandIn(shape))
+    return out.getvalue()

@@ -1,0 +1,96 @@
+"""A fresh optimizer's state, built from a checkpoint's metadata instead of a step.
+
+DCP's ``get_state_dict`` gives an optimizer without state its state by running
+a real ``optimizer.step()`` on zero gradients with a zero learning rate
+(``_init_optim_state``, DESIGN.md known traps): for Adam that is a full update's
+arithmetic over every parameter, a third of a restore's time in one profile.
+A restore does not need those values, only tensors of the right shape, dtype
+and placement for DCP to read the saved ones into. The checkpoint's metadata
+names every saved state entry (``<section>.state.<fqn>.<name>``) with its global
+shape and dtype, which is enough to build them: zeros shaped like the parameter
+(a sharded parameter gives a sharded state, ``zeros_like`` keeps its placement)
+and scalars such as Adam's ``step``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import _get_fqns
+
+__all__ = ["materialise_optimizer_state"]
+
+_ON_PARAM_DEVICE = ("capturable", "fused")
+"""Param-group flags under which torch optimizers keep scalar state (``step``) on the
+parameter's device rather than on the CPU."""
+
+
+def materialise_optimizer_state(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    metadata: Metadata,
+    section: str,
+) -> bool:
+    """Give ``optimizer`` (empty, over parameters of ``module``) the state ``metadata``
+    records under ``section`` (``optimizer``, ``optimizer.G``, ...), as zeros.
+
+    Returns True when the state was built; False, with ``optimizer`` left empty,
+    when some saved entry is not a tensor shaped like its parameter or a scalar
+    (an optimizer of another kind, a shape that differs): then DCP's own
+    initialisation runs, and the restore's shape check names any difference.
+    Parameters the checkpoint has no state for get none, as before their first
+    step. Call from the restoring thread, before the live state dict is built.
+    """
+    assert not optimizer.state, "only an optimizer without state is materialised"
+    entries = _saved_entries(metadata, f"{section}.state.")
+    names = {id(p): name for name, p in module.named_parameters()}
+    built: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        on_param_device = any(group.get(flag) for flag in _ON_PARAM_DEVICE)
+        for param in group["params"]:
+            name = names.get(id(param))
+            if name is None:
+                return False
+            fqns = _get_fqns(module, name)
+            if len(fqns) != 1:
+                return False  # a flattened FSDP1 parameter: DCP's business
+            saved = entries.get(next(iter(fqns)))
+            if not saved:
+                continue
+            state = _state_for(param, saved, on_param_device=on_param_device)
+            if state is None:
+                return False
+            built[param] = state
+    for param, state in built.items():
+        optimizer.state[param] = state
+    return True
+
+
+def _saved_entries(metadata: Metadata, prefix: str) -> dict[str, dict[str, Any]]:
+    """``{fqn: {state name: storage metadata}}`` of the keys under ``prefix``."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(prefix):
+            fqn, _, name = key[len(prefix) :].rpartition(".")
+            out.setdefault(fqn, {})[name] = md
+    return out
+
+
+def _state_for(
+    param: torch.Tensor, saved: dict[str, Any], *, on_param_device: bool
+) -> dict[str, torch.Tensor] | None:
+    state: dict[str, torch.Tensor] = {}
+    for name, md in saved.items():
+        if not isinstance(md, TensorStorageMetadata):
+            return None  # a python value in the state: only a real step knows it
+        shape, dtype = tuple(md.size), md.properties.dtype
+        if shape == () and (name == "step" or tuple(param.shape) != ()):
+            device = param.device if on_param_device else torch.device("cpu")
+            state[name] = torch.zeros((), dtype=dtype, device=device)
+        elif shape == tuple(param.shape):
+            state[name] = torch.empty_like(param, dtype=dtype, requires_grad=False)
+        else:
+            return None
+    return state
