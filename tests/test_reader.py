@@ -70,9 +70,9 @@ def test_load_reads_every_file_once_and_decodes_tensors_without_unpickling(
 
 
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux's /proc/self/io")
-def test_a_restore_reads_far_less_than_the_checkpoint_with_read_calls(tmp_path: Path) -> None:
+def test_a_restore_reads_each_byte_of_the_checkpoint_once(tmp_path: Path) -> None:
     """The old restore read every byte twice with read(2) (checksum, then DCP); the
-    checked bytes are now the page cache's own, mapped once."""
+    checked bytes are now the ones DCP is served from."""
     ckpt, want = saved(tmp_path / "run", width=512)
     total = sum(e.size for e in read_manifest(ckpt).files)
 
@@ -84,7 +84,7 @@ def test_a_restore_reads_far_less_than_the_checkpoint_with_read_calls(tmp_path: 
     before = rchar()
     load_checkpoint(ckpt, parts.state)
     read = rchar() - before
-    assert total > 16_000 and read < 0.5 * total, (read, total)
+    assert total > 16_000 and total <= read < 1.5 * total, (read, total)
     assert_same(want["model"], dict(parts.model.state_dict()))
 
 
@@ -227,6 +227,6 @@ def test_a_restore_into_live_objects_holds_at_most_one_checkpoint_of_extra_memor
     base = _status_kib("VmRSS") * 1024
     load_checkpoint(path, state)
     extra = _status_kib("VmHWM") * 1024 - base
-    # The mapped pages of the files, and little else.
+    # The bytes of the files, read once, and little else.
     assert total > 48 * 2**20 and extra <= 1.05 * total + 4 * 2**20, (extra, total)
     assert_same(want, dict(model.state_dict()))

@@ -2,15 +2,13 @@
 
 A restore used to read every file twice: once to check its size and xxh3-128
 against the manifest, once more when DCP read the data, with one ``torch.load``
-per tensor. ``VerifiedFiles`` maps each file once (the page cache's pages, no
-copy into fresh memory) and hashes it; a file is used only after its whole
-checksum matched, so nothing of a damaged or swapped file is ever
-deserialized. ``VerifiedFileReader`` is the DCP ``StorageReader`` that serves a
-load plan from those maps. Committed checkpoint files are never written again
-(a new checkpoint is a new directory; gc unlinks, which a map survives); a file
-changed in place by something else between the check and the load is the same
-exposure the two reads had before, and one truncated in that window would end
-the process with SIGBUS instead of an error.
+per tensor. ``VerifiedFiles`` reads each file into memory once, in large
+reads, and hashes it there; a file is used only after its whole checksum
+matched, and the checked bytes are the very bytes used, so nothing of a
+damaged or swapped file is ever deserialized, even one changed on disk after
+the check. ``VerifiedFileReader`` is the DCP ``StorageReader`` that serves a
+load plan from those bytes. An I/O error while reading is an error that
+restore falls back from (a map would turn it into SIGBUS).
 
 A tensor item DCP wrote is a ``torch.save`` of one tensor: a zip archive whose
 ``data.pkl`` says which storage record holds its bytes, with what shape. When
@@ -27,7 +25,6 @@ import collections
 import concurrent.futures
 import functools
 import io
-import mmap
 import os
 import pickle
 import struct
@@ -62,34 +59,22 @@ _METADATA = ".metadata"
 """DCP's metadata file (the global one; ``dcp_metadata`` reads it)."""
 
 _CHUNK = 8 * 1024 * 1024
-"""Bytes per read call where a file is read rather than mapped."""
+"""Bytes per read call."""
 
 
 class _Held:
-    """One file's bytes: a private, copy-on-write map of the file (never written), or,
-    where the file cannot be mapped, a copy read into memory."""
+    """One file's bytes, read into memory once.
+
+    Read, never mapped: a map would keep reading the file after it was checked
+    (another writer's bytes would reach the decoder unverified), and a disk
+    error on a mapped page kills the process with SIGBUS where a read raises
+    an error that restore falls back from.
+    """
 
     __slots__ = ("view",)
 
     def __init__(self, stream: io.FileIO, size: int) -> None:
-        if not size:
-            self.view = memoryview(b"")
-            return
-        try:
-            # A map, not a read into fresh memory: the page cache's pages are used
-            # as they are (no copy, no zeroing of new pages), and the map outlives
-            # the descriptor. Copy-on-write so that torch.frombuffer sees a
-            # writable buffer; nothing ever writes to it.
-            mapped = mmap.mmap(stream.fileno(), size, access=mmap.ACCESS_COPY)
-        except (OSError, ValueError):
-            # A file system without mmap, or strict overcommit refusing the map.
-            self.view = memoryview(_read_whole(stream, size))
-            return
-        if hasattr(mapped, "madvise"):
-            # Read-ahead of the whole file starts now, so a cold disk stays busy
-            # while the checksum consumes the pages already there.
-            mapped.madvise(mmap.MADV_WILLNEED)
-        self.view = memoryview(mapped)
+        self.view = memoryview(_read_whole(stream, size)) if size else memoryview(b"")
 
 
 def _read_whole(stream: io.FileIO, size: int) -> bytearray:
@@ -154,7 +139,7 @@ class VerifiedFiles:
             return self._held[name]
 
     def close(self) -> None:
-        """Let go of every file's bytes (a tensor decoded from a file keeps its map alive
+        """Let go of every file's bytes (a tensor decoded from a file keeps its buffer alive
         until the tensor is dropped; a restore copies them into its targets at once)."""
         with self._lock:
             self._held.clear()
