@@ -391,7 +391,8 @@ def test_the_lightning_example_of_docs_integrations_runs(
     import re
 
     text = (Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
-    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    lightning = text[text.index("## Lightning\n") : text.index("## DeepSpeed\n")]
+    (block,) = re.findall(r"```python\n(.*?)```", lightning, flags=re.S)
     monkeypatch.chdir(tmp_path)
     prelude = (
         "from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset\n"
