@@ -1,0 +1,390 @@
+"""The storage writer of a save: DCP's file layout, written at the disk's speed, hashed while written.
+
+``ChecksummingWriter`` is a ``torch.distributed.checkpoint`` ``StorageWriter``
+(a ``FileSystemWriter`` whose ``write_data`` and ``finish`` are stalwart's
+own). DCP still plans the save, so resharding and every DCP reader keep
+working; what changes is how the bytes reach the disk:
+
+- Each item is the same bytes as DCP's ``torch.save`` of it (the zip record
+  torch's ``FileSystemReader`` reads, zip CRC-32 off, see ``without_zip_crc``),
+  but a tensor's record is built from a cached header and trailer around the
+  tensor's own memory (``RecordTemplates``): no pickling per item after the
+  first save of a layout, no copy of the tensor.
+- The records go out in large ``os.writev`` calls straight from the tensors'
+  memory, and the xxh3-128 of the whole file is computed from the same
+  buffers on the way, so nothing reads the file back (``written`` holds
+  every file's size and checksum, as the manifest records them).
+- The kernel is asked to start writing each batch to the disk as soon as it
+  is in the page cache (``sync_file_range``, Linux), so the final fsync
+  waits for the tail of the file only, not for all of it: 64 MiB written and
+  fsynced in 24 ms instead of 33 ms here. Each file is fsynced once, and the
+  fsync is what makes it durable and what reports any write-back error. A write that fails, in any writer thread, raises
+  in the caller's thread: ``dcp.save`` fails, never returns over a short file
+  (torch 2.13's ``FileSystemWriter`` loses its other threads' errors).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import io
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemWriter,
+    _StorageInfo,
+    _StoragePrefix,
+)
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from stalwart.manifest import FileEntry, hash_file
+
+__all__ = ["ChecksummingWriter", "RecordTemplates", "without_zip_crc"]
+
+_BATCH_BYTES = 16 * 2**20
+"""Bytes gathered before one ``writev``: large enough that the syscall cost vanishes."""
+_BATCH_BUFFERS = 512
+"""Buffers gathered before one ``writev``; Linux accepts at most 1024 (IOV_MAX)."""
+_METADATA = ".metadata"
+_SYNC_FILE_RANGE_WRITE = 2
+"""``SYNC_FILE_RANGE_WRITE`` of <linux/fs.h>: start write-back, wait for nothing."""
+
+_CRC_LOCK = threading.Lock()
+_CRC_USERS = 0
+_CRC_BEFORE = True
+
+
+def _save_config() -> Any:
+    """torch's ``config.save`` when it has the ``compute_crc32`` setting, else None."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # pragma: no cover - torch without the setting
+        return None
+    save_config = getattr(config, "save", None)
+    return save_config if hasattr(save_config, "compute_crc32") else None
+
+
+@contextlib.contextmanager
+def without_zip_crc() -> Iterator[None]:
+    """Let ``torch.save`` skip the CRC-32 of its zip records while a checkpoint is written.
+
+    Every file already gets an xxh3-128 checksum that restore verifies before
+    reading a byte, so the zip CRC is redundant; computing it is a fifth of a
+    save's CPU time (256 MiB: 236 ms -> 180 ms without), and without it a
+    record's bytes outside the tensor data no longer depend on the data, which
+    is what lets ``RecordTemplates`` reuse them. The setting is process-wide
+    (torch reads it when a ``torch.save`` starts): a ``torch.save`` of your own
+    running in another thread at the same moment writes its zip without CRC
+    too, which ``torch.load`` reads as usual. Torch builds without the setting
+    are left as they are.
+    """
+    global _CRC_USERS, _CRC_BEFORE
+    save_config = _save_config()
+    if save_config is None:  # pragma: no cover - torch without the setting
+        yield
+        return
+    with _CRC_LOCK:
+        if _CRC_USERS == 0:
+            _CRC_BEFORE = bool(save_config.compute_crc32)
+            save_config.compute_crc32 = False
+        _CRC_USERS += 1
+    try:
+        yield
+    finally:
+        with _CRC_LOCK:
+            _CRC_USERS -= 1
+            if _CRC_USERS == 0:
+                save_config.compute_crc32 = _CRC_BEFORE
+
+
+def _crc_off() -> bool:
+    save_config = _save_config()
+    return save_config is not None and not save_config.compute_crc32
+
+
+# --------------------------------------------------------------------------- records
+
+
+def _torch_save_bytes(tensor: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    return buf.getvalue()
+
+
+def _data_view(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without a copy (a contiguous tensor that owns its whole storage)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+class RecordTemplates:
+    """The bytes ``torch.save`` writes around a tensor's data, per layout, for reuse.
+
+    With the zip CRC off, ``torch.save`` of a plain contiguous CPU tensor is
+    ``header + data + trailer`` where header and trailer depend only on the
+    layout (dtype, shape, stride, size); this keeps them so that a later save
+    of the same layout writes the record with no pickling and no copy. A
+    template is built by one real ``torch.save`` and checked against it, so
+    the bytes are torch's own. Any other tensor (a view into a larger storage,
+    a subclass, a quantized or conjugated tensor) or a torch computing the CRC
+    gets a plain ``torch.save``. Thread-safe; one instance is meant to live as
+    long as the run (the layouts of a run's saves repeat).
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def record(self, tensor: torch.Tensor) -> list[Any]:
+        """The buffers whose concatenation is ``torch.save(tensor)``'s output, in order."""
+        key = _layout(tensor)
+        if key is None or not _crc_off():
+            return [_torch_save_bytes(tensor)]
+        parts = self._parts.get(key)
+        if parts is None:
+            whole = _torch_save_bytes(tensor)
+            parts = _split_record(whole, tensor.nbytes)
+            with self._lock:
+                self._parts[key] = parts
+            return [whole]
+        header, trailer = parts
+        if tensor.nbytes == 0:
+            return [header, trailer]
+        return [header, _data_view(tensor), trailer]
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """The key of a tensor whose record a template can build, else None."""
+    if (
+        type(tensor) is not torch.Tensor
+        or tensor.device.type != "cpu"
+        or tensor.layout != torch.strided
+        or tensor.is_quantized
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.requires_grad
+        or not tensor.is_contiguous()
+        or tensor.storage_offset() != 0
+        or tensor.untyped_storage().nbytes() != tensor.nbytes
+    ):
+        return None
+    return (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.nbytes)
+
+
+def _split_record(whole: bytes, nbytes: int) -> tuple[bytes, bytes]:
+    """Header and trailer of one ``torch.save`` output around its single data record."""
+    reader = torch._C.PyTorchFileReader(io.BytesIO(whole))
+    offset = reader.get_record_offset("data/0")
+    assert 0 < offset and offset + nbytes <= len(whole), "torch.save's data record is misplaced"
+    return whole[:offset], whole[offset + nbytes :]
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _find_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_SYNC_FILE_RANGE = _find_sync_file_range()
+
+
+def start_write_back(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``length`` bytes at ``offset`` of ``fd`` to the disk now.
+
+    Only a hint that makes the later fsync shorter: a failure here (an
+    unsupported filesystem) is ignored, because the fsync that follows
+    writes whatever is left and reports every write-back error itself.
+    """
+    if _SYNC_FILE_RANGE is not None and length > 0:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+class _HashedFile:
+    """One new file written with large ``writev`` calls, hashed as it is written, fsynced at close."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.hash = xxhash.xxh3_128()
+        self.size = 0
+        self._pending: list[Any] = []
+        self._pending_bytes = 0
+
+    def add(self, buffers: Sequence[Any]) -> None:
+        """Queue ``buffers`` for writing; they must stay unchanged until ``flush``."""
+        for buf in buffers:
+            n = memoryview(buf).nbytes
+            self.hash.update(buf)
+            self.size += n
+            self._pending.append(buf)
+            self._pending_bytes += n
+        if self._pending_bytes >= _BATCH_BYTES or len(self._pending) >= _BATCH_BUFFERS:
+            self.flush()
+
+    def flush(self) -> None:
+        pending = [memoryview(b).cast("B") for b in self._pending]
+        start = self.size - self._pending_bytes
+        self._pending, self._pending_bytes = [], 0
+        while pending:
+            written = os.writev(self.fd, pending)
+            # A short write (a signal, a filesystem's limit): go on after what it took.
+            while pending and written >= pending[0].nbytes:
+                written -= pending[0].nbytes
+                pending.pop(0)
+            if pending and written:
+                pending[0] = pending[0][written:]
+        start_write_back(self.fd, start, self.size - start)
+
+    def close(self) -> FileEntry:
+        """Write what is queued, fsync, close: the file's manifest entry."""
+        try:
+            self.flush()
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+        return FileEntry(path=self.path.name, size=self.size, xxh3_128=self.hash.hexdigest())
+
+
+def _write_file(
+    path: Path,
+    storage_key: str,
+    items: list[WriteItem],
+    planner: SavePlanner,
+    templates: RecordTemplates,
+) -> tuple[list[WriteResult], FileEntry]:
+    """Write ``items`` into the new file ``path`` as DCP's ``FileSystemWriter`` lays them out."""
+    results: list[WriteResult] = []
+    out = _HashedFile(path)
+    try:
+        # Byte items first, then tensors: the order DCP's own writer uses.
+        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
+        ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
+        for item in ordered:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                assert isinstance(data, io.BytesIO), "a BYTE_IO item resolves to BytesIO"
+                buffers: list[Any] = [data.getbuffer()]
+            else:
+                assert isinstance(data, torch.Tensor), "a tensor item resolves to a tensor"
+                tensor = data.detach().cpu()
+                if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                    tensor = tensor.clone()  # a view: write only its own bytes, as DCP does
+                buffers = templates.record(tensor)
+            offset = out.size
+            out.add(buffers)
+            length = out.size - offset
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=length,
+                    storage_data=_StorageInfo(storage_key, offset, length),
+                )
+            )
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(out.fd)
+        raise
+    return results, out.close()
+
+
+def _buckets(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
+    """``items`` split into ``count`` lists of about equal bytes (largest first, greedy)."""
+    if count == 1:
+        return [list(items)]
+    buckets: list[list[WriteItem]] = [[] for _ in range(count)]
+    sizes = [0] * count
+    for n, item in enumerate(i for i in items if i.type == WriteItemType.BYTE_IO):
+        buckets[n % count].append(item)
+    tensors = [i for i in items if i.type != WriteItemType.BYTE_IO]
+    for item in sorted(tensors, key=_item_bytes, reverse=True):
+        smallest = sizes.index(min(sizes))
+        buckets[smallest].append(item)
+        sizes[smallest] += _item_bytes(item)
+    return [b for b in buckets if b] or [[]]
+
+
+def _item_bytes(item: WriteItem) -> int:
+    assert item.tensor_data is not None
+    return item.tensor_data.size.numel() * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` layout, written by stalwart (see the module docstring).
+
+    One instance per save and rank. ``threads`` files per rank are written
+    concurrently, one writer thread each (the caller's thread writes the
+    first); an error in any of them is raised from ``write_data`` in the
+    caller's thread. After ``dcp.save`` returned, ``written`` lists this rank's
+    files (and, on the coordinator, ``.metadata``) with their sizes and
+    xxh3-128, each file already fsynced. ``templates`` is kept across saves to
+    skip ``torch.save`` for layouts seen before.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, threads: int = 1, templates: RecordTemplates
+    ) -> None:
+        if threads < 1:
+            raise ValueError(f"threads={threads}: a rank needs at least one writer thread")
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=threads)
+        self.threads = threads
+        self.templates = templates
+        self.written: list[FileEntry] = []
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data
+        assert isinstance(prefix, _StoragePrefix), "prepare_global_plan names each rank's files"
+        jobs = [
+            (Path(self.path) / f"{prefix.prefix}{n}.distcp", f"{prefix.prefix}{n}.distcp", bucket)
+            for n, bucket in enumerate(_buckets(plan.items, self.threads))
+        ]
+        outcomes = self._write_all(jobs, planner)
+        self.written.extend(entry for _results, entry in outcomes)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result([r for results, _entry in outcomes for r in results])
+        return future
+
+    def _write_all(
+        self, jobs: list[tuple[Path, str, list[WriteItem]]], planner: SavePlanner
+    ) -> list[tuple[list[WriteResult], FileEntry]]:
+        """Write every job's file; the first job in this thread, the others in threads of their own."""
+        if len(jobs) == 1:
+            return [_write_file(*jobs[0], planner, self.templates)]
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=len(jobs) - 1, thread_name_prefix="stalwart-write"
+        ) as pool:
+            others = [pool.submit(_write_file, *job, planner, self.templates) for job in jobs[1:]]
+            first = _write_file(*jobs[0], planner, self.templates)
+            # .result() raises a writer thread's exception here, in the caller's thread.
+            return [first, *(f.result() for f in others)]
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write ``.metadata`` as DCP does (fsynced), then record its checksum."""
+        super().finish(metadata, results)
+        # A few KiB, still in the page cache: reading it back costs nothing measurable.
+        size, digest = hash_file(Path(self.path) / _METADATA)
+        self.written.append(FileEntry(path=_METADATA, size=size, xxh3_128=digest))
