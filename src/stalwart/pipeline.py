@@ -272,19 +272,23 @@ def _write_mine(
     try:
         try:
             writer = ChecksummingWriter(staging, threads=WRITER_THREADS, templates=templates)
-            with warnings.catch_warnings(), without_zip_crc():
-                # DCP warns that it runs without a process group; here that is the intent.
-                warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-                dcp_save(
-                    state_dict,
-                    storage_writer=writer,
-                    process_group=coord.group,
-                    no_dist=not coord.distributed,
-                )
+            try:
+                with warnings.catch_warnings(), without_zip_crc():
+                    # DCP warns that it runs without a process group; here that is the intent.
+                    warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+                    dcp_save(
+                        state_dict,
+                        storage_writer=writer,
+                        process_group=coord.group,
+                        no_dist=not coord.distributed,
+                    )
+                writer.sync()
+            finally:
+                writer.close()
         except CheckpointException as exc:
             raise CheckpointSaveError(_first_failure(exc)) from (_find_os_error(exc) or exc)
         timing["written"] = time.perf_counter()
-        # Each file was hashed while it was written and fsynced once: nothing is read back.
+        # Each file was hashed while it was written and is fsynced: nothing is read back.
         return sorted(writer.written, key=lambda e: e.path)
     except (OSError, StalwartError, ValueError, TypeError, RuntimeError) as exc:
         where = f" on rank {coord.rank}" if coord.distributed else ""

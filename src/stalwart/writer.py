@@ -28,8 +28,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import dataclasses
 import io
 import os
+import pickle
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 import xxhash
 from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
     FileSystemWriter,
     _StorageInfo,
     _StoragePrefix,
@@ -52,7 +55,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from stalwart.manifest import FileEntry, hash_file
+from stalwart.manifest import FileEntry
 
 __all__ = ["ChecksummingWriter", "RecordTemplates", "without_zip_crc"]
 
@@ -225,7 +228,12 @@ def start_write_back(fd: int, offset: int, length: int) -> None:
 
 
 class _HashedFile:
-    """One new file written with large ``writev`` calls, hashed as it is written, fsynced at close."""
+    """One new file written with large ``writev`` calls and hashed as it is written.
+
+    ``finish`` writes what is queued and returns the file's manifest entry;
+    ``sync`` fsyncs and closes it (on the same descriptor, so that a
+    write-back error is reported to it). OSErrors name the file.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -250,24 +258,43 @@ class _HashedFile:
         pending = [memoryview(b).cast("B") for b in self._pending]
         start = self.size - self._pending_bytes
         self._pending, self._pending_bytes = [], 0
-        while pending:
-            written = os.writev(self.fd, pending)
-            # A short write (a signal, a filesystem's limit): go on after what it took.
-            while pending and written >= pending[0].nbytes:
-                written -= pending[0].nbytes
-                pending.pop(0)
-            if pending and written:
-                pending[0] = pending[0][written:]
+        with self._naming_errors():
+            while pending:
+                written = os.writev(self.fd, pending)
+                # A short write (a signal, a filesystem's limit): go on after what it took.
+                while pending and written >= pending[0].nbytes:
+                    written -= pending[0].nbytes
+                    pending.pop(0)
+                if pending and written:
+                    pending[0] = pending[0][written:]
         start_write_back(self.fd, start, self.size - start)
 
-    def close(self) -> FileEntry:
-        """Write what is queued, fsync, close: the file's manifest entry."""
-        try:
-            self.flush()
-            os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
+    def finish(self) -> FileEntry:
+        """Write what is queued: the file's entry (size, xxh3-128); not yet durable."""
+        self.flush()
         return FileEntry(path=self.path.name, size=self.size, xxh3_128=self.hash.hexdigest())
+
+    def sync(self) -> None:
+        """fsync and close: the file is durable once this returns."""
+        try:
+            with self._naming_errors():
+                os.fsync(self.fd)
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Close without fsync (a failed save); idempotent."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _naming_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            exc.filename = str(self.path)  # writev and fsync errors name no file by themselves
+            raise
 
 
 def _write_file(
@@ -276,8 +303,11 @@ def _write_file(
     items: list[WriteItem],
     planner: SavePlanner,
     templates: RecordTemplates,
-) -> tuple[list[WriteResult], FileEntry]:
-    """Write ``items`` into the new file ``path`` as DCP's ``FileSystemWriter`` lays them out."""
+) -> tuple[list[WriteResult], _HashedFile]:
+    """Write ``items`` into the new file ``path`` as DCP's ``FileSystemWriter`` lays them out.
+
+    Returns the write results and the file, written and hashed but not yet fsynced.
+    """
     results: list[WriteResult] = []
     out = _HashedFile(path)
     try:
@@ -305,11 +335,11 @@ def _write_file(
                     storage_data=_StorageInfo(storage_key, offset, length),
                 )
             )
+        out.finish()
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.close(out.fd)
+        out.abandon()
         raise
-    return results, out.close()
+    return results, out
 
 
 def _buckets(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
@@ -336,13 +366,17 @@ def _item_bytes(item: WriteItem) -> int:
 class ChecksummingWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` layout, written by stalwart (see the module docstring).
 
-    One instance per save and rank. ``threads`` files per rank are written
-    concurrently, one writer thread each (the caller's thread writes the
-    first); an error in any of them is raised from ``write_data`` in the
-    caller's thread. After ``dcp.save`` returned, ``written`` lists this rank's
-    files (and, on the coordinator, ``.metadata``) with their sizes and
-    xxh3-128, each file already fsynced. ``templates`` is kept across saves to
-    skip ``torch.save`` for layouts seen before.
+    One instance per save and rank, used by ``dcp.save`` in the caller's
+    thread. ``threads`` files per rank are written concurrently, one writer
+    thread each (the caller's thread writes the first); an error in any of
+    them is raised from ``write_data`` in the caller's thread. Files are
+    fsynced in the background while DCP goes on (the coordinator writes
+    ``.metadata`` meanwhile); ``sync`` waits for every fsync and raises the
+    first error. After ``sync`` returned, ``written`` lists this rank's files
+    (and, on the coordinator, ``.metadata``) with their sizes and xxh3-128,
+    each durable. ``close`` releases descriptors and threads, whatever
+    happened; ``templates`` is kept across saves to skip ``torch.save`` for
+    layouts seen before.
     """
 
     def __init__(
@@ -354,6 +388,11 @@ class ChecksummingWriter(FileSystemWriter):
         self.threads = threads
         self.templates = templates
         self.written: list[FileEntry] = []
+        self._files: list[_HashedFile] = []
+        self._syncs: list[concurrent.futures.Future[None]] = []
+        self._sync_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=threads + 1, thread_name_prefix="stalwart-fsync"
+        )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data
@@ -363,14 +402,15 @@ class ChecksummingWriter(FileSystemWriter):
             for n, bucket in enumerate(_buckets(plan.items, self.threads))
         ]
         outcomes = self._write_all(jobs, planner)
-        self.written.extend(entry for _results, entry in outcomes)
+        for _results, out in outcomes:
+            self._sync_later(out)
         future: Future[list[WriteResult]] = Future()
-        future.set_result([r for results, _entry in outcomes for r in results])
+        future.set_result([r for results, _out in outcomes for r in results])
         return future
 
     def _write_all(
         self, jobs: list[tuple[Path, str, list[WriteItem]]], planner: SavePlanner
-    ) -> list[tuple[list[WriteResult], FileEntry]]:
+    ) -> list[tuple[list[WriteResult], _HashedFile]]:
         """Write every job's file; the first job in this thread, the others in threads of their own."""
         if len(jobs) == 1:
             return [_write_file(*jobs[0], planner, self.templates)]
@@ -378,13 +418,55 @@ class ChecksummingWriter(FileSystemWriter):
             max_workers=len(jobs) - 1, thread_name_prefix="stalwart-write"
         ) as pool:
             others = [pool.submit(_write_file, *job, planner, self.templates) for job in jobs[1:]]
-            first = _write_file(*jobs[0], planner, self.templates)
-            # .result() raises a writer thread's exception here, in the caller's thread.
-            return [first, *(f.result() for f in others)]
+            try:
+                first = _write_file(*jobs[0], planner, self.templates)
+            except BaseException:
+                for f in others:
+                    if not f.exception():
+                        f.result()[1].abandon()
+                raise
+            outcomes = [first]
+            try:
+                # .result() raises a writer thread's exception here, in the caller's thread.
+                outcomes.extend(f.result() for f in others)
+            except BaseException:
+                for _results, out in outcomes:
+                    out.abandon()
+                raise
+            return outcomes
+
+    def _sync_later(self, out: _HashedFile) -> None:
+        self._files.append(out)
+        self.written.append(dataclasses.replace(out.finish(), path=out.path.name))
+        self._syncs.append(self._sync_pool.submit(out.sync))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Write ``.metadata`` as DCP does (fsynced), then record its checksum."""
-        super().finish(metadata, results)
-        # A few KiB, still in the page cache: reading it back costs nothing measurable.
-        size, digest = hash_file(Path(self.path) / _METADATA)
-        self.written.append(FileEntry(path=_METADATA, size=size, xxh3_128=digest))
+        """Write ``.metadata`` as DCP's ``FileSystemWriter`` does (coordinator only), hashed."""
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        metadata.storage_meta = self.storage_meta()
+        tmp = Path(self.path) / f"{_METADATA}.tmp"
+        out = _HashedFile(tmp)
+        try:
+            out.add([pickle.dumps(metadata)])
+            out.finish()
+            os.replace(tmp, Path(self.path) / _METADATA)
+        except BaseException:
+            out.abandon()
+            raise
+        out.path = Path(self.path) / _METADATA
+        self._sync_later(out)
+
+    def sync(self) -> None:
+        """Wait until every file written is durable; raise the first fsync error. Then ``close``."""
+        try:
+            for pending in self._syncs:
+                pending.result()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release the fsync threads and every descriptor still open; idempotent."""
+        self._sync_pool.shutdown(wait=True)
+        for out in self._files:
+            out.abandon()
