@@ -139,7 +139,7 @@ def test_a_failed_write_in_a_writer_thread_fails_the_save(tmp_path: Path) -> Non
     (path / "__0_1.distcp").write_bytes(b"in the way")
     with pytest.raises(CheckpointException) as info:
         save(state(), path, threads=2)
-    (error, _trace), = info.value.failures.values()
+    ((error, _trace),) = info.value.failures.values()
     assert isinstance(error, FileExistsError)
     assert Path(error.filename).name == "__0_1.distcp"
     assert not (path / ".metadata").exists()

@@ -360,7 +360,9 @@ def _buckets(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
 
 def _item_bytes(item: WriteItem) -> int:
     assert item.tensor_data is not None
-    return item.tensor_data.size.numel() * torch._utils._element_size(item.tensor_data.properties.dtype)
+    return item.tensor_data.size.numel() * torch._utils._element_size(
+        item.tensor_data.properties.dtype
+    )
 
 
 class ChecksummingWriter(FileSystemWriter):
