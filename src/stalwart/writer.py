@@ -195,7 +195,7 @@ def _split_record(whole: bytes, nbytes: int) -> tuple[bytes, bytes]:
     """Header and trailer of one ``torch.save`` output around its single data record."""
     reader = torch._C.PyTorchFileReader(io.BytesIO(whole))
     offset = reader.get_record_offset("data/0")
-    assert 0 < offset and offset + nbytes <= len(whole), "torch.save's data record is misplaced"
+    assert offset > 0 and offset + nbytes <= len(whole), "torch.save's data record is misplaced"
     return whole[:offset], whole[offset + nbytes :]
 
 
