@@ -131,7 +131,7 @@ def _torch_save_bytes(tensor: torch.Tensor) -> bytes:
 
 def _data_view(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes, without a copy (a contiguous tensor that owns its whole storage)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 class RecordTemplates:
@@ -194,7 +194,7 @@ def _layout(tensor: torch.Tensor) -> tuple[Any, ...] | None:
 def _split_record(whole: bytes, nbytes: int) -> tuple[bytes, bytes]:
     """Header and trailer of one ``torch.save`` output around its single data record."""
     reader = torch._C.PyTorchFileReader(io.BytesIO(whole))
-    offset = reader.get_record_offset("data/0")
+    offset: int = reader.get_record_offset("data/0")  # type: ignore[attr-defined]  # not in the stubs
     assert offset > 0 and offset + nbytes <= len(whole), "torch.save's data record is misplaced"
     return whole[:offset], whole[offset + nbytes :]
 
@@ -360,9 +360,7 @@ def _buckets(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
 
 def _item_bytes(item: WriteItem) -> int:
     assert item.tensor_data is not None
-    return item.tensor_data.size.numel() * torch._utils._element_size(
-        item.tensor_data.properties.dtype
-    )
+    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
 
 
 class ChecksummingWriter(FileSystemWriter):
