@@ -25,7 +25,6 @@ working; what changes is how the bytes reach the disk:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -227,24 +226,72 @@ def start_write_back(fd: int, offset: int, length: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
+class _Task:
+    """``fn(*args)`` in a thread of its own; ``result`` waits and re-raises its exception.
+
+    Plain threads, not an executor: a save running while the interpreter exits
+    (a script that never closed its manager) may no longer submit to an
+    executor, but it may still start a thread; where even that is refused,
+    the task runs inline.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, after: _Task | None = None) -> None:
+        self._error: BaseException | None = None
+        self._value: Any = None
+        self._after = after
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._run, args=(fn, args), name="stalwart-write", daemon=False
+        )
+        try:
+            self._thread.start()
+        except RuntimeError:  # no new thread at this point of the interpreter's exit
+            self._thread = None
+            self._run(fn, args)
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            if self._after is not None:
+                self._after.result()  # in order, and nothing after a failure
+            self._value = fn(*args)
+        except BaseException as exc:  # handed to whoever waits, in their thread
+            self._error = exc
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def result(self) -> Any:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class _HashedFile:
     """One new file written with large ``writev`` calls and hashed as it is written.
 
-    ``finish`` writes what is queued and returns the file's manifest entry;
-    ``sync`` fsyncs and closes it (on the same descriptor, so that a
+    ``add`` hashes buffers in the caller's thread; with ``background``, the
+    ``writev`` calls run in an I/O thread of the file's own, in order, so that
+    the kernel's copy into the page cache overlaps with the caller preparing
+    the next items (the copy releases the GIL). ``finish`` waits for every
+    queued write, raises the first error, and returns the file's manifest
+    entry; ``sync`` fsyncs and closes it (on the same descriptor, so that a
     write-back error is reported to it). OSErrors name the file.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, background: bool = False) -> None:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         self.hash = xxhash.xxh3_128()
         self.size = 0
         self._pending: list[Any] = []
         self._pending_bytes = 0
+        self._background = background
+        self._last: _Task | None = None
+        """The newest queued write; each waits for the one before it."""
 
     def add(self, buffers: Sequence[Any]) -> None:
-        """Queue ``buffers`` for writing; they must stay unchanged until ``flush``."""
+        """Queue ``buffers`` for writing; they must stay unchanged until ``finish``."""
         for buf in buffers:
             n = memoryview(buf).nbytes
             self.hash.update(buf)
@@ -255,9 +302,21 @@ class _HashedFile:
             self.flush()
 
     def flush(self) -> None:
-        pending = [memoryview(b).cast("B") for b in self._pending]
-        start = self.size - self._pending_bytes
+        """Hand the queued buffers to ``writev`` (in the I/O thread, if any)."""
+        if not self._pending:
+            return
+        batch, start = self._pending, self.size - self._pending_bytes
         self._pending, self._pending_bytes = [], 0
+        if not self._background:
+            self._write(batch, start)
+            return
+        if self._last is not None and self._last.done():
+            self._last.result()  # a failed write stops the save now, not at the end
+        self._last = _Task(self._write, batch, start, after=self._last)
+
+    def _write(self, batch: list[Any], start: int) -> None:
+        pending = [memoryview(b).cast("B") for b in batch]
+        length = sum(v.nbytes for v in pending)
         with self._naming_errors():
             while pending:
                 written = os.writev(self.fd, pending)
@@ -267,11 +326,14 @@ class _HashedFile:
                     pending.pop(0)
                 if pending and written:
                     pending[0] = pending[0][written:]
-        start_write_back(self.fd, start, self.size - start)
+        start_write_back(self.fd, start, length)
 
     def finish(self) -> FileEntry:
-        """Write what is queued: the file's entry (size, xxh3-128); not yet durable."""
+        """Write what is queued and wait for it: the file's entry (size, xxh3-128); not yet durable."""
         self.flush()
+        last, self._last = self._last, None
+        if last is not None:
+            last.result()  # the first failed write raises here, in the caller's thread
         return FileEntry(path=self.path.name, size=self.size, xxh3_128=self.hash.hexdigest())
 
     def sync(self) -> None:
@@ -283,7 +345,12 @@ class _HashedFile:
             self.abandon()
 
     def abandon(self) -> None:
-        """Close without fsync (a failed save); idempotent."""
+        """Close without fsync (after a failure, or once synced); idempotent."""
+        last, self._last = self._last, None
+        if last is not None:
+            # No write may still use the descriptor when it is closed (and maybe reused).
+            with contextlib.suppress(BaseException):
+                last.result()
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
@@ -309,7 +376,7 @@ def _write_file(
     Returns the write results and the file, written and hashed but not yet fsynced.
     """
     results: list[WriteResult] = []
-    out = _HashedFile(path)
+    out = _HashedFile(path, background=True)
     try:
         # Byte items first, then tensors: the order DCP's own writer uses.
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
@@ -389,10 +456,7 @@ class ChecksummingWriter(FileSystemWriter):
         self.templates = templates
         self.written: list[FileEntry] = []
         self._files: list[_HashedFile] = []
-        self._syncs: list[concurrent.futures.Future[None]] = []
-        self._sync_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=threads + 1, thread_name_prefix="stalwart-fsync"
-        )
+        self._syncs: list[_Task] = []
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data
@@ -412,33 +476,29 @@ class ChecksummingWriter(FileSystemWriter):
         self, jobs: list[tuple[Path, str, list[WriteItem]]], planner: SavePlanner
     ) -> list[tuple[list[WriteResult], _HashedFile]]:
         """Write every job's file; the first job in this thread, the others in threads of their own."""
-        if len(jobs) == 1:
-            return [_write_file(*jobs[0], planner, self.templates)]
-        with concurrent.futures.ThreadPoolExecutor(
-            max_workers=len(jobs) - 1, thread_name_prefix="stalwart-write"
-        ) as pool:
-            others = [pool.submit(_write_file, *job, planner, self.templates) for job in jobs[1:]]
+        others = [_Task(_write_file, *job, planner, self.templates) for job in jobs[1:]]
+        outcomes: list[tuple[list[WriteResult], _HashedFile]] = []
+        failure: BaseException | None = None
+        try:
+            outcomes.append(_write_file(*jobs[0], planner, self.templates))
+        except BaseException as exc:
+            failure = exc
+        for task in others:
             try:
-                first = _write_file(*jobs[0], planner, self.templates)
-            except BaseException:
-                for f in others:
-                    if not f.exception():
-                        f.result()[1].abandon()
-                raise
-            outcomes = [first]
-            try:
-                # .result() raises a writer thread's exception here, in the caller's thread.
-                outcomes.extend(f.result() for f in others)
-            except BaseException:
-                for _results, out in outcomes:
-                    out.abandon()
-                raise
-            return outcomes
+                # A writer thread's exception is raised here, in the caller's thread.
+                outcomes.append(task.result())
+            except BaseException as exc:
+                failure = failure or exc
+        if failure is not None:
+            for _results, out in outcomes:
+                out.abandon()
+            raise failure
+        return outcomes
 
     def _sync_later(self, out: _HashedFile) -> None:
         self._files.append(out)
         self.written.append(dataclasses.replace(out.finish(), path=out.path.name))
-        self._syncs.append(self._sync_pool.submit(out.sync))
+        self._syncs.append(_Task(out.sync))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Write ``.metadata`` as DCP's ``FileSystemWriter`` does (coordinator only), hashed."""
@@ -466,7 +526,9 @@ class ChecksummingWriter(FileSystemWriter):
             self.close()
 
     def close(self) -> None:
-        """Release the fsync threads and every descriptor still open; idempotent."""
-        self._sync_pool.shutdown(wait=True)
+        """Wait for the fsync threads, close every descriptor still open; idempotent."""
+        for pending in self._syncs:
+            with contextlib.suppress(BaseException):  # sync() reports them; close() only cleans up
+                pending.result()
         for out in self._files:
             out.abandon()
