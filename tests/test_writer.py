@@ -13,7 +13,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from stalwart.manifest import hash_file
-from stalwart.writer import ChecksummingWriter, RecordTemplates, without_zip_crc
+from stalwart.writer import (
+    ChecksummingWriter,
+    RecordTemplates,
+    record_settings,
+    without_zip_crc,
+)
 
 _NO_DIST = "torch.distributed is disabled, unavailable or uninitialized"
 
@@ -25,7 +30,8 @@ def torch_save_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def record_bytes(templates: RecordTemplates, tensor: torch.Tensor) -> bytes:
-    return b"".join(bytes(memoryview(b).cast("B")) for b in templates.record(tensor))
+    parts = templates.record(tensor, record_settings())
+    return b"".join(bytes(memoryview(b).cast("B")) for b in parts)
 
 
 def layouts() -> list[torch.Tensor]:
@@ -59,8 +65,24 @@ def test_templates_are_made_only_for_tensors_that_own_their_whole_storage() -> N
     templates = RecordTemplates()
     with without_zip_crc():
         for tensor in layouts():
-            templates.record(tensor)
+            templates.record(tensor, record_settings())
     assert len(templates) == 5  # every layout but the view and the transposed tensor
+
+
+def test_a_changed_storage_alignment_gets_a_template_of_its_own() -> None:
+    from torch.utils.serialization import config
+
+    templates = RecordTemplates()
+    tensor = torch.randn(8, 8)
+    before = config.save.storage_alignment
+    with without_zip_crc():
+        record_bytes(templates, tensor)
+        try:
+            config.save.storage_alignment = 4096
+            assert record_bytes(templates, tensor) == torch_save_bytes(tensor)
+        finally:
+            config.save.storage_alignment = before
+    assert len(templates) == 2
 
 
 def test_with_the_zip_crc_on_every_record_is_a_plain_torch_save() -> None:

@@ -18,9 +18,10 @@ working; what changes is how the bytes reach the disk:
   is in the page cache (``sync_file_range``, Linux), so the final fsync
   waits for the tail of the file only, not for all of it: 64 MiB written and
   fsynced in 24 ms instead of 33 ms here. Each file is fsynced once, and the
-  fsync is what makes it durable and what reports any write-back error. A write that fails, in any writer thread, raises
-  in the caller's thread: ``dcp.save`` fails, never returns over a short file
-  (torch 2.13's ``FileSystemWriter`` loses its other threads' errors).
+  fsync is what makes it durable and what reports any write-back error.
+- A write that fails, in any writer thread, raises in the caller's thread:
+  ``dcp.save`` fails, never returns over a short file (torch 2.13's
+  ``FileSystemWriter`` loses its other threads' errors).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from torch.futures import Future
 
 from stalwart.manifest import FileEntry
 
-__all__ = ["ChecksummingWriter", "RecordTemplates", "without_zip_crc"]
+__all__ = ["ChecksummingWriter", "RecordTemplates", "record_settings", "without_zip_crc"]
 
 _BATCH_BYTES = 16 * 2**20
 """Bytes gathered before one ``writev``: large enough that the syscall cost vanishes."""
@@ -114,9 +115,16 @@ def without_zip_crc() -> Iterator[None]:
                 save_config.compute_crc32 = _CRC_BEFORE
 
 
-def _crc_off() -> bool:
+def record_settings() -> tuple[Any, ...] | None:
+    """The ``torch.save`` settings a record's framing depends on; None when it depends on the data.
+
+    With the zip CRC on, every record's header holds a checksum of its data,
+    so no framing can be reused. Read once per file written, not per tensor.
+    """
     save_config = _save_config()
-    return save_config is not None and not save_config.compute_crc32
+    if save_config is None or save_config.compute_crc32:
+        return None
+    return (getattr(save_config, "storage_alignment", None),)
 
 
 # --------------------------------------------------------------------------- records
@@ -140,8 +148,9 @@ class RecordTemplates:
     ``header + data + trailer`` where header and trailer depend only on the
     layout (dtype, shape, stride, size); this keeps them so that a later save
     of the same layout writes the record with no pickling and no copy. A
-    template is built by one real ``torch.save`` and checked against it, so
-    the bytes are torch's own. Any other tensor (a view into a larger storage,
+    template is cut out of one real ``torch.save`` (the data record is checked
+    to hold the tensor's bytes where torch's zip reader says), so the bytes
+    are torch's own. Any other tensor (a view into a larger storage,
     a subclass, a quantized or conjugated tensor) or a torch computing the CRC
     gets a plain ``torch.save``. Thread-safe; one instance is meant to live as
     long as the run (the layouts of a run's saves repeat).
@@ -154,15 +163,19 @@ class RecordTemplates:
     def __len__(self) -> int:
         return len(self._parts)
 
-    def record(self, tensor: torch.Tensor) -> list[Any]:
-        """The buffers whose concatenation is ``torch.save(tensor)``'s output, in order."""
-        key = _layout(tensor)
-        if key is None or not _crc_off():
+    def record(self, tensor: torch.Tensor, settings: tuple[Any, ...] | None) -> list[Any]:
+        """The buffers whose concatenation is ``torch.save(tensor)``'s output, in order.
+
+        ``settings`` is ``record_settings()``, read when the file was started.
+        """
+        layout = _layout(tensor)
+        if layout is None or settings is None:
             return [_torch_save_bytes(tensor)]
+        key = (*layout, *settings)
         parts = self._parts.get(key)
         if parts is None:
             whole = _torch_save_bytes(tensor)
-            parts = _split_record(whole, tensor.nbytes)
+            parts = _split_record(whole, tensor)
             with self._lock:
                 self._parts[key] = parts
             return [whole]
@@ -190,12 +203,15 @@ def _layout(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     return (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.nbytes)
 
 
-def _split_record(whole: bytes, nbytes: int) -> tuple[bytes, bytes]:
-    """Header and trailer of one ``torch.save`` output around its single data record."""
+def _split_record(whole: bytes, tensor: torch.Tensor) -> tuple[bytes, bytes]:
+    """Header and trailer of ``torch.save(tensor)``'s output ``whole`` around its data record."""
     reader = torch._C.PyTorchFileReader(io.BytesIO(whole))
     offset: int = reader.get_record_offset("data/0")  # type: ignore[attr-defined]  # not in the stubs
-    assert offset > 0 and offset + nbytes <= len(whole), "torch.save's data record is misplaced"
-    return whole[:offset], whole[offset + nbytes :]
+    end = offset + tensor.nbytes
+    # The record holds the tensor's bytes where the zip directory says: the split is exact.
+    assert 0 < offset <= end <= len(whole), "torch.save's data record is misplaced"
+    assert tensor.nbytes == 0 or whole[offset:end] == _data_view(tensor), "data record differs"
+    return whole[:offset], whole[end:]
 
 
 # --------------------------------------------------------------------------- files
@@ -376,6 +392,7 @@ def _write_file(
     Returns the write results and the file, written and hashed but not yet fsynced.
     """
     results: list[WriteResult] = []
+    settings = record_settings()
     out = _HashedFile(path, background=True)
     try:
         # Byte items first, then tensors: the order DCP's own writer uses.
@@ -391,7 +408,7 @@ def _write_file(
                 tensor = data.detach().cpu()
                 if tensor.untyped_storage().nbytes() != tensor.nbytes:
                     tensor = tensor.clone()  # a view: write only its own bytes, as DCP does
-                buffers = templates.record(tensor)
+                buffers = templates.record(tensor, settings)
             offset = out.size
             out.add(buffers)
             length = out.size - offset
