@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 from torch.distributed.checkpoint.filesystem import (
@@ -148,9 +149,9 @@ class RecordTemplates:
     ``header + data + trailer`` where header and trailer depend only on the
     layout (dtype, shape, stride, size); this keeps them so that a later save
     of the same layout writes the record with no pickling and no copy. A
-    template is cut out of one real ``torch.save`` (the data record is checked
-    to hold the tensor's bytes where torch's zip reader says), so the bytes
-    are torch's own. Any other tensor (a view into a larger storage,
+    template is cut out of one real ``torch.save`` of the first such tensor,
+    whose data write is recognised by its address and skipped (no copy of the
+    data), so the bytes are torch's own. Any other tensor (a view into a larger storage,
     a subclass, a quantized or conjugated tensor) or a torch computing the CRC
     gets a plain ``torch.save``. Thread-safe; one instance is meant to live as
     long as the run (the layouts of a run's saves repeat).
@@ -174,14 +175,10 @@ class RecordTemplates:
         key = (*layout, *settings)
         parts = self._parts.get(key)
         if parts is None:
-            whole = _torch_save_bytes(tensor)
-            parts = _split_record(whole, tensor)
+            parts = _cut_framing(tensor)
             with self._lock:
                 self._parts[key] = parts
-            return [whole]
         header, trailer = parts
-        if tensor.nbytes == 0:
-            return [header, trailer]
         return [header, _data_view(tensor), trailer]
 
 
@@ -197,21 +194,53 @@ def _layout(tensor: torch.Tensor) -> tuple[Any, ...] | None:
         or tensor.requires_grad
         or not tensor.is_contiguous()
         or tensor.storage_offset() != 0
+        or tensor.nbytes == 0  # no data record to cut the framing around: torch.save it
         or tensor.untyped_storage().nbytes() != tensor.nbytes
     ):
         return None
     return (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.nbytes)
 
 
-def _split_record(whole: bytes, tensor: torch.Tensor) -> tuple[bytes, bytes]:
-    """Header and trailer of ``torch.save(tensor)``'s output ``whole`` around its data record."""
-    reader = torch._C.PyTorchFileReader(io.BytesIO(whole))
-    offset: int = reader.get_record_offset("data/0")  # type: ignore[attr-defined]  # not in the stubs
-    end = offset + tensor.nbytes
-    # The record holds the tensor's bytes where the zip directory says: the split is exact.
-    assert 0 < offset <= end <= len(whole), "torch.save's data record is misplaced"
-    assert tensor.nbytes == 0 or whole[offset:end] == _data_view(tensor), "data record differs"
-    return whole[:offset], whole[end:]
+class _FramingCapture:
+    """A file-like target for ``torch.save`` that keeps every write but the tensor's data.
+
+    torch's zip writer hands each record's bytes to ``write`` in one call, the
+    data record straight from the tensor's memory; that one call is
+    recognised by its address and length and only counted, so cutting a
+    layout's framing copies no tensor data.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._address = tensor.data_ptr()
+        self._nbytes = tensor.nbytes
+        self.before: list[bytes] = []
+        self.after: list[bytes] = []
+        self.data_writes = 0
+
+    def write(self, chunk: Any) -> int:
+        view = memoryview(chunk)
+        if view.nbytes == self._nbytes and _address_of(view) == self._address:
+            self.data_writes += 1
+        else:
+            (self.after if self.data_writes else self.before).append(bytes(view))
+        return view.nbytes
+
+    def flush(self) -> None:
+        pass
+
+
+def _address_of(view: memoryview) -> int:
+    address: int = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    return address
+
+
+def _cut_framing(tensor: torch.Tensor) -> tuple[bytes, bytes]:
+    """Header and trailer that ``torch.save(tensor)`` writes around the tensor's data."""
+    capture = _FramingCapture(tensor)
+    torch.save(tensor, capture)  # type: ignore[arg-type]  # a file-like with write and flush
+    # Exactly one write was the data itself: the framing is the rest, in order.
+    assert capture.data_writes == 1, "torch.save did not write the tensor's data in one piece"
+    return b"".join(capture.before), b"".join(capture.after)
 
 
 # --------------------------------------------------------------------------- files
