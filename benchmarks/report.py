@@ -34,6 +34,10 @@ TARGET_STALL_X_MEMCPY = 1.5
 TARGET_PERSIST_X_RAW = 0.8
 TARGET_RESTORE_X_RAW = 0.8
 TARGET_TRAIN_OVERHEAD = 0.05
+TARGET_WRITER_CPU_X_RAW = 1.5
+"""The CPU time of one save (the writer's work: collect, write, hash, fsync, commit) over a raw write's."""
+TARGET_TRAIN_X_FLOOR = 2.0
+"""Training overhead of async saves over the overhead of the physical floor (memcpy + raw write thread)."""
 TRAIN_REGIME_TORCH_SAVE = 0.30
 
 
@@ -152,6 +156,19 @@ def analyze(results: dict[str, Any]) -> None:
                     f"raw write {_ms(refs['raw_write_s'])}",
                 )
             )
+            cpu_x = _div(ss.get("cpu_s"), refs.get("raw_write_cpu_s"))
+            targets.append(
+                _target(
+                    "writer CPU time <= 1.5x a raw write's",
+                    size,
+                    cpu_x,
+                    f"<= {TARGET_WRITER_CPU_X_RAW}x",
+                    cpu_x <= TARGET_WRITER_CPU_X_RAW if math.isfinite(cpu_x) else None,
+                    f"one sync save {_ms(ss.get('cpu_s'))} of CPU (every thread of the process) vs "
+                    f"raw write + fsync {_ms(refs.get('raw_write_cpu_s'))}; the async save's "
+                    f"background writer does the same work",
+                )
+            )
             if _ok(ss.get("restore")):
                 cold = r["restore_cold_x_raw_read"]["stalwart_sync"]
                 warm = r["restore_warm_x_raw_read"]["stalwart_sync"]
@@ -198,6 +215,19 @@ def analyze(results: dict[str, Any]) -> None:
                 percent=True,
             )
         )
+        if _ok(tf) and tf["overhead"] > 0:
+            x = ta["overhead"] / tf["overhead"]
+            targets.append(
+                _target(
+                    "training overhead, async every few steps <= 2x the physical floor's",
+                    f"{_size_of(ta['bytes'])}, every {every}",
+                    x,
+                    f"<= {TARGET_TRAIN_X_FLOOR:.0f}x",
+                    x <= TARGET_TRAIN_X_FLOOR,
+                    f"stalwart async {ta['overhead']:+.1%} vs floor (memcpy + raw write thread) "
+                    f"{tf['overhead']:+.1%}",
+                )
+            )
     results["targets"] = targets
 
 

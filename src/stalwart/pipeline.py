@@ -12,20 +12,15 @@ one background thread (async); both run the same ``write_and_commit``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import re
 import socket
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from stalwart.distributed import Coordinator, RankError
@@ -35,17 +30,14 @@ from stalwart.errors import (
     StalwartError,
     StateMismatchError,
 )
-from stalwart.manifest import (
-    FileEntry,
-    Manifest,
-    hash_file,
-)
+from stalwart.manifest import FileEntry, Manifest
 from stalwart.reader import VerifiedFileReader, verified_checkpoint
 from stalwart.restore_protocol import Restorable
 from stalwart.safe_load import safe_load
 from stalwart.staging import AsyncSaver, StagingArea, stage_state_dict
 from stalwart.storage.base import CheckpointStorage
 from stalwart.verify import FileProblem, file_problems, read_manifest, verify_checkpoint
+from stalwart.writer import ChecksummingWriter, RecordTemplates, without_zip_crc
 
 __all__ = [
     "AsyncSaver",
@@ -66,53 +58,10 @@ __all__ = [
 T = TypeVar("T")
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 WRITER_THREADS = 1
-"""Threads of DCP's writer per rank. More would write faster (2 threads on 2 cores:
-1.2-1.4x at 256 MiB), but torch 2.13's ``FileSystemWriter`` loses an exception
-raised in any of its threads but the caller's: an I/O error there (EFBIG, ENOSPC)
-ends that thread, its files miss items, and ``dcp.save`` returns as if it had
-succeeded. One thread keeps every error on the caller's side."""
-_CRC_LOCK = threading.Lock()
-_CRC_USERS = 0
-_CRC_BEFORE = True
-
-
-@contextlib.contextmanager
-def _without_zip_crc() -> Iterator[None]:
-    """Let ``torch.save`` skip the CRC-32 of its zip records while DCP writes a checkpoint.
-
-    Every file already gets an xxh3-128 checksum that restore verifies before
-    reading a byte, so the zip CRC is redundant; computing it is a fifth of a
-    save's CPU time (256 MiB: 236 ms -> 180 ms without). The setting is
-    process-wide (torch reads it when a ``torch.save`` starts): a ``torch.save``
-    of your own running in another thread at the same moment writes its zip
-    without CRC too, which ``torch.load`` reads as usual. Torch builds without
-    the setting are left as they are.
-    """
-    global _CRC_USERS, _CRC_BEFORE
-    try:
-        from torch.utils.serialization import config
-    except ImportError:  # pragma: no cover - torch without the setting
-        yield
-        return
-    save_config = getattr(config, "save", None)
-    if save_config is None or not hasattr(save_config, "compute_crc32"):
-        yield  # pragma: no cover - torch without the setting
-        return
-    with _CRC_LOCK:
-        if _CRC_USERS == 0:
-            _CRC_BEFORE = bool(save_config.compute_crc32)
-            save_config.compute_crc32 = False
-        _CRC_USERS += 1
-    try:
-        yield
-    finally:
-        with _CRC_LOCK:
-            _CRC_USERS -= 1
-            if _CRC_USERS == 0:
-                save_config.compute_crc32 = _CRC_BEFORE
-
-
-_DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+"""Writer threads (and files) per rank (``ChecksummingWriter``). Errors of every
+thread reach the caller, but on a 2-core host a second thread competes with the
+first for the same memory bandwidth and the training thread for its core; see
+docs/benchmarks.md for the measurement."""
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -136,39 +85,6 @@ class SaveResult:
 
 
 # --------------------------------------------------------------------------- save
-
-
-def _owned(name: str, rank: int | None, leader: bool) -> bool:
-    """Whether this rank wrote ``name``: DCP names rank r's data files ``__{r}_*``."""
-    if rank is None:
-        return True
-    m = _DATA_FILE.match(name)
-    return int(m.group(1)) == rank if m else leader
-
-
-def _checksum_files(
-    directory: Path, *, rank: int | None = None, leader: bool = True
-) -> list[FileEntry]:
-    """Hash and fsync the files of ``directory`` this rank wrote (all of them when ``rank`` is None).
-
-    DCP fsyncs too; this proves it on our side, while the bytes are still in the page cache.
-    """
-    entries = []
-    for root, _dirs, files in os.walk(directory):
-        for name in files:
-            path = Path(root) / name
-            rel = path.relative_to(directory).as_posix()
-            if not _owned(rel, rank, leader):
-                continue
-            size, digest = hash_file(path)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            entries.append(FileEntry(path=rel, size=size, xxh3_128=digest))
-    entries.sort(key=lambda e: e.path)
-    return entries
 
 
 def commit_checkpoint(storage: CheckpointStorage, staging: Path, manifest: Manifest) -> Path:
@@ -258,6 +174,7 @@ def write_and_commit(
     manifest_fields: Mapping[str, Any],
     *,
     coordinator: Coordinator | None = None,
+    templates: RecordTemplates | None = None,
 ) -> SaveResult:
     """THE COMMIT PROTOCOL: write ``opened`` into its staging directory and commit it.
 
@@ -265,12 +182,15 @@ def write_and_commit(
     ``coordinator`` (a single process passes None), two collectives:
 
     1. (``open_save``, before this) the leader created the staging directory.
-    2. Every rank writes its own files with DCP, fsyncs and checksums them.
+    2. Every rank writes its own files with DCP, hashing them as written, and fsyncs them.
     3. Every rank reports its files (sizes, xxh3-128) or its error: one gather.
     4. The leader builds the manifest, once, with every rank's files and
        ``manifest_fields``, and commits it (``commit_checkpoint``): MANIFEST.json
        into staging, fsynced, then published.
     5. Every rank learns the outcome: one gather.
+
+    ``templates`` (kept by the caller across saves) lets the writer reuse the
+    ``torch.save`` framing of tensor layouts it has written before.
 
     On any failure, on any rank, every rank raises ``CheckpointSaveError``
     (cause chained), the staging directory is removed and nothing is committed;
@@ -280,6 +200,7 @@ def write_and_commit(
     ``stalwart gc`` sweeps it.
     """
     coord = coordinator if coordinator is not None else Coordinator(None, timeout=0.0, name="local")
+    templates = templates if templates is not None else RecordTemplates()
     step, staging = opened.step, opened.staging
     assert staging is not None, "a skipped save has nothing to write"
     try:
@@ -288,7 +209,7 @@ def write_and_commit(
         timing: dict[str, float] = {}
         try:
             reports = coord.agree_all(
-                lambda: _write_mine(opened.state_dict, staging, coord, step, timing),
+                lambda: _write_mine(opened.state_dict, staging, coord, step, timing, templates),
                 catch=(CheckpointSaveError,),
                 remote=lambda rep: CheckpointSaveError(rep.message),
             )
@@ -342,32 +263,34 @@ def _write_mine(
     coord: Coordinator,
     step: int,
     timing: dict[str, float],
+    templates: RecordTemplates,
 ) -> list[FileEntry]:
-    """Write this rank's part with DCP, then fsync and checksum what it wrote.
+    """Write this rank's part with DCP through ``ChecksummingWriter``: its files, fsynced, with checksums.
 
     Any failure is raised as ``CheckpointSaveError`` naming the step (and the
     rank, distributed), its OS-level cause chained.
     """
     try:
         try:
-            writer = FileSystemWriter(
-                staging, single_file_per_rank=True, sync_files=True, thread_count=WRITER_THREADS
-            )
-            with warnings.catch_warnings(), _without_zip_crc():
-                # DCP warns that it runs without a process group; here that is the intent.
-                warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-                dcp_save(
-                    state_dict,
-                    storage_writer=writer,
-                    process_group=coord.group,
-                    no_dist=not coord.distributed,
-                )
+            writer = ChecksummingWriter(staging, threads=WRITER_THREADS, templates=templates)
+            try:
+                with warnings.catch_warnings(), without_zip_crc():
+                    # DCP warns that it runs without a process group; here that is the intent.
+                    warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+                    dcp_save(
+                        state_dict,
+                        storage_writer=writer,
+                        process_group=coord.group,
+                        no_dist=not coord.distributed,
+                    )
+                writer.sync()
+            finally:
+                writer.close()
         except CheckpointException as exc:
             raise CheckpointSaveError(_first_failure(exc)) from (_find_os_error(exc) or exc)
         timing["written"] = time.perf_counter()
-        return _checksum_files(
-            staging, rank=coord.rank if coord.distributed else None, leader=coord.is_leader
-        )
+        # Each file was hashed while it was written and is fsynced: nothing is read back.
+        return sorted(writer.written, key=lambda e: e.path)
     except (OSError, StalwartError, ValueError, TypeError, RuntimeError) as exc:
         where = f" on rank {coord.rank}" if coord.distributed else ""
         raise CheckpointSaveError(

@@ -36,6 +36,7 @@ from stalwart.retention import apply_retention
 from stalwart.state import TrainState
 from stalwart.storage.base import CheckpointStorage
 from stalwart.tiers import TierSync
+from stalwart.writer import RecordTemplates
 
 __all__ = ["SaveWriter", "peer_failure"]
 
@@ -78,6 +79,8 @@ class SaveWriter:
         self.async_save = async_coord is not None
         self.background = AsyncSaver() if async_coord is not None else None
         self.staging = StagingArea()
+        self.templates = RecordTemplates()
+        """The ``torch.save`` framing of the state's tensor layouts, reused by every save."""
         self.tiers: TierSync | None = None
         """The durable link on rank 0, set by the manager once it exists."""
         self.last_save_time = time.monotonic()
@@ -205,7 +208,9 @@ class SaveWriter:
     def _write(self, opened: OpenedSave, fields: dict[str, Any], coord: Coordinator) -> SaveResult:
         """Collectives 3 and 4: write and commit (``pipeline.write_and_commit``), in any thread."""
         try:
-            return write_and_commit(self.storage, opened, fields, coordinator=coord)
+            return write_and_commit(
+                self.storage, opened, fields, coordinator=coord, templates=self.templates
+            )
         except CheckpointSaveError as exc:
             self.events.emit("save_failed", logging.ERROR, step=opened.step, error=str(exc))
             if self.last_saved_step == opened.step:

@@ -1,0 +1,554 @@
+"""The storage writer of a save: DCP's file layout, written at the disk's speed, hashed while written.
+
+``ChecksummingWriter`` is a ``torch.distributed.checkpoint`` ``StorageWriter``
+(a ``FileSystemWriter`` whose ``write_data`` and ``finish`` are stalwart's
+own). DCP still plans the save, so resharding and every DCP reader keep
+working; what changes is how the bytes reach the disk:
+
+- Each item is the same bytes as DCP's ``torch.save`` of it (the zip record
+  torch's ``FileSystemReader`` reads, zip CRC-32 off, see ``without_zip_crc``),
+  but a tensor's record is built from a cached header and trailer around the
+  tensor's own memory (``RecordTemplates``): no pickling per item after the
+  first save of a layout, no copy of the tensor.
+- The records go out in ``os.writev`` calls of up to 16 MiB straight from the
+  tensors' memory, and the xxh3-128 of the whole file is computed from the
+  same buffers on the way, so nothing reads the file back (``written`` holds
+  every file's size and checksum, as the manifest records them).
+- The kernel is asked to start writing each batch to the disk as soon as it
+  is in the page cache (``sync_file_range``, Linux), so the final fsync
+  waits for the tail of the file only, not for all of it: 64 MiB written and
+  fsynced in 24 ms instead of 33 ms here. Each file is fsynced once, and the
+  fsync is what makes it durable and what reports any write-back error.
+- A write that fails, in any writer thread, raises in the caller's thread:
+  ``dcp.save`` fails, never returns over a short file (torch 2.13's
+  ``FileSystemWriter`` loses its other threads' errors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import io
+import os
+import pickle
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    FileSystemWriter,
+    _StorageInfo,
+    _StoragePrefix,
+)
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from stalwart.manifest import FileEntry
+
+__all__ = ["ChecksummingWriter", "RecordTemplates", "record_settings", "without_zip_crc"]
+
+_BATCH_BYTES = 16 * 2**20
+"""Bytes gathered before one ``writev``: large enough that the syscall cost vanishes."""
+_BATCH_BUFFERS = 512
+"""Buffers gathered before one ``writev``; Linux accepts at most 1024 (IOV_MAX)."""
+_METADATA = ".metadata"
+_SYNC_FILE_RANGE_WRITE = 2
+"""``SYNC_FILE_RANGE_WRITE`` of <linux/fs.h>: start write-back, wait for nothing."""
+
+_CRC_LOCK = threading.Lock()
+_CRC_USERS = 0
+_CRC_BEFORE = True
+
+
+def _save_config() -> Any:
+    """torch's ``config.save`` when it has the ``compute_crc32`` setting, else None."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # pragma: no cover - torch without the setting
+        return None
+    save_config = getattr(config, "save", None)
+    return save_config if hasattr(save_config, "compute_crc32") else None
+
+
+@contextlib.contextmanager
+def without_zip_crc() -> Iterator[None]:
+    """Let ``torch.save`` skip the CRC-32 of its zip records while a checkpoint is written.
+
+    Every file already gets an xxh3-128 checksum that restore verifies before
+    reading a byte, so the zip CRC is redundant; computing it is a fifth of a
+    save's CPU time (256 MiB: 236 ms -> 180 ms without), and without it a
+    record's bytes outside the tensor data no longer depend on the data, which
+    is what lets ``RecordTemplates`` reuse them. The setting is process-wide
+    (torch reads it when a ``torch.save`` starts): a ``torch.save`` of your own
+    running in another thread at the same moment writes its zip without CRC
+    too, which ``torch.load`` reads as usual. Torch builds without the setting
+    are left as they are.
+    """
+    global _CRC_USERS, _CRC_BEFORE
+    save_config = _save_config()
+    if save_config is None:  # pragma: no cover - torch without the setting
+        yield
+        return
+    with _CRC_LOCK:
+        if _CRC_USERS == 0:
+            _CRC_BEFORE = bool(save_config.compute_crc32)
+            save_config.compute_crc32 = False
+        _CRC_USERS += 1
+    try:
+        yield
+    finally:
+        with _CRC_LOCK:
+            _CRC_USERS -= 1
+            if _CRC_USERS == 0:
+                save_config.compute_crc32 = _CRC_BEFORE
+
+
+def record_settings() -> tuple[Any, ...] | None:
+    """The ``torch.save`` settings a record's framing depends on; None when it depends on the data.
+
+    With the zip CRC on, every record's header holds a checksum of its data,
+    so no framing can be reused. Read once per file written, not per tensor.
+    """
+    save_config = _save_config()
+    if save_config is None or save_config.compute_crc32:
+        return None
+    return (getattr(save_config, "storage_alignment", None),)
+
+
+# --------------------------------------------------------------------------- records
+
+
+def _torch_save_bytes(tensor: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    return buf.getvalue()
+
+
+def _data_view(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without a copy (a contiguous tensor that owns its whole storage)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+class RecordTemplates:
+    """The bytes ``torch.save`` writes around a tensor's data, per layout, for reuse.
+
+    With the zip CRC off, ``torch.save`` of a plain contiguous CPU tensor is
+    ``header + data + trailer`` where header and trailer depend only on the
+    layout (dtype, shape, stride, size); this keeps them so that a later save
+    of the same layout writes the record with no pickling and no copy. A
+    template is cut out of one real ``torch.save`` of the first such tensor,
+    whose data write is recognised by its address and skipped (no copy of the
+    data), so the bytes are torch's own. Any other tensor (a view into a larger storage,
+    a subclass, a quantized or conjugated tensor) or a torch computing the CRC
+    gets a plain ``torch.save``. Thread-safe; one instance is meant to live as
+    long as the run (the layouts of a run's saves repeat).
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def record(self, tensor: torch.Tensor, settings: tuple[Any, ...] | None) -> list[Any]:
+        """The buffers whose concatenation is ``torch.save(tensor)``'s output, in order.
+
+        ``settings`` is ``record_settings()``, read when the file was started.
+        """
+        layout = _layout(tensor)
+        if layout is None or settings is None:
+            return [_torch_save_bytes(tensor)]
+        key = (*layout, *settings)
+        parts = self._parts.get(key)
+        if parts is None:
+            parts = _cut_framing(tensor)
+            with self._lock:
+                self._parts[key] = parts
+        header, trailer = parts
+        return [header, _data_view(tensor), trailer]
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """The key of a tensor whose record a template can build, else None."""
+    if (
+        type(tensor) is not torch.Tensor
+        or tensor.device.type != "cpu"
+        or tensor.layout != torch.strided
+        or tensor.is_quantized
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.requires_grad
+        or not tensor.is_contiguous()
+        or tensor.storage_offset() != 0
+        or tensor.nbytes == 0  # no data record to cut the framing around: torch.save it
+        or tensor.untyped_storage().nbytes() != tensor.nbytes
+    ):
+        return None
+    return (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.nbytes)
+
+
+class _FramingCapture:
+    """A file-like target for ``torch.save`` that keeps every write but the tensor's data.
+
+    torch's zip writer hands each record's bytes to ``write`` in one call, the
+    data record straight from the tensor's memory; that one call is
+    recognised by its address and length and only counted, so cutting a
+    layout's framing copies no tensor data.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._address = tensor.data_ptr()
+        self._nbytes = tensor.nbytes
+        self.before: list[bytes] = []
+        self.after: list[bytes] = []
+        self.data_writes = 0
+
+    def write(self, chunk: Any) -> int:
+        view = memoryview(chunk)
+        if view.nbytes == self._nbytes and _address_of(view) == self._address:
+            self.data_writes += 1
+        else:
+            (self.after if self.data_writes else self.before).append(bytes(view))
+        return view.nbytes
+
+    def flush(self) -> None:
+        pass
+
+
+def _address_of(view: memoryview) -> int:
+    address: int = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    return address
+
+
+def _cut_framing(tensor: torch.Tensor) -> tuple[bytes, bytes]:
+    """Header and trailer that ``torch.save(tensor)`` writes around the tensor's data."""
+    capture = _FramingCapture(tensor)
+    torch.save(tensor, capture)  # type: ignore[arg-type]  # a file-like with write and flush
+    # Exactly one write was the data itself: the framing is the rest, in order.
+    assert capture.data_writes == 1, "torch.save did not write the tensor's data in one piece"
+    return b"".join(capture.before), b"".join(capture.after)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _find_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_SYNC_FILE_RANGE = _find_sync_file_range()
+
+
+def _start_write_back(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``length`` bytes at ``offset`` of ``fd`` to the disk now.
+
+    Only a hint that makes the later fsync shorter: a failure here (an
+    unsupported filesystem) is ignored, because the fsync that follows
+    writes whatever is left and reports every write-back error itself.
+    """
+    if _SYNC_FILE_RANGE is not None and length > 0:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+class _Task:
+    """``fn(*args)`` in a thread of its own; ``result`` waits and re-raises its exception.
+
+    Plain threads, not an executor: a save running while the interpreter exits
+    (a script that never closed its manager) may no longer submit to an
+    executor, but it may still start a thread; where even that is refused,
+    the task runs inline.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._error: BaseException | None = None
+        self._value: Any = None
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._run, args=(fn, args), name="stalwart-writer", daemon=False
+        )
+        try:
+            self._thread.start()
+        except RuntimeError:  # no new thread at this point of the interpreter's exit
+            self._thread = None
+            self._run(fn, args)
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as exc:  # handed to whoever waits, in their thread
+            self._error = exc
+
+    def result(self) -> Any:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class _HashedFile:
+    """One new file written with large ``writev`` calls and hashed as it is written.
+
+    ``add`` hashes buffers and queues them; every 16 MiB they go to the kernel
+    in one ``writev`` from the caller's thread. (An I/O thread per file that
+    overlapped the ``writev`` with the next items' preparation was measured
+    too: no faster here, and up to 3x the CPU time on 2 cores.) ``finish``
+    writes what is queued and returns the file's manifest entry; ``sync``
+    fsyncs and closes it (on the same descriptor, so that a write-back error
+    is reported to it). OSErrors name the file.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.hash = xxhash.xxh3_128()
+        self.size = 0
+        self._pending: list[Any] = []
+        self._pending_bytes = 0
+
+    def add(self, buffers: Sequence[Any]) -> None:
+        """Queue ``buffers`` for writing; they must stay unchanged until ``finish``."""
+        for buf in buffers:
+            n = memoryview(buf).nbytes
+            self.hash.update(buf)
+            self.size += n
+            self._pending.append(buf)
+            self._pending_bytes += n
+        if self._pending_bytes >= _BATCH_BYTES or len(self._pending) >= _BATCH_BUFFERS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the queued buffers with ``writev``, then start their write-back."""
+        if not self._pending:
+            return
+        pending = [memoryview(b).cast("B") for b in self._pending]
+        start, length = self.size - self._pending_bytes, self._pending_bytes
+        self._pending, self._pending_bytes = [], 0
+        with self._naming_errors():
+            while pending:
+                written = os.writev(self.fd, pending)
+                # A short write (a signal, a filesystem's limit): go on after what it took.
+                while pending and written >= pending[0].nbytes:
+                    written -= pending[0].nbytes
+                    pending.pop(0)
+                if pending and written:
+                    pending[0] = pending[0][written:]
+        _start_write_back(self.fd, start, length)
+
+    def finish(self) -> FileEntry:
+        """Write what is queued: the file's entry (size, xxh3-128); not yet durable."""
+        self.flush()
+        return FileEntry(path=self.path.name, size=self.size, xxh3_128=self.hash.hexdigest())
+
+    def sync(self) -> None:
+        """fsync and close: the file is durable once this returns."""
+        try:
+            with self._naming_errors():
+                os.fsync(self.fd)
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Close without fsync (after a failure, or once synced); idempotent."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _naming_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            exc.filename = str(self.path)  # writev and fsync errors name no file by themselves
+            raise
+
+
+def _write_file(
+    path: Path,
+    storage_key: str,
+    items: list[WriteItem],
+    planner: SavePlanner,
+    templates: RecordTemplates,
+) -> tuple[list[WriteResult], _HashedFile]:
+    """Write ``items`` into the new file ``path`` as DCP's ``FileSystemWriter`` lays them out.
+
+    Returns the write results and the file, written and hashed but not yet fsynced.
+    """
+    results: list[WriteResult] = []
+    settings = record_settings()
+    out = _HashedFile(path)
+    try:
+        # Byte items first, then tensors: the order DCP's own writer uses.
+        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
+        ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
+        for item in ordered:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                assert isinstance(data, io.BytesIO), "a BYTE_IO item resolves to BytesIO"
+                buffers: list[Any] = [data.getbuffer()]
+            else:
+                assert isinstance(data, torch.Tensor), "a tensor item resolves to a tensor"
+                tensor = data.detach().cpu()
+                if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                    tensor = tensor.clone()  # a view: write only its own bytes, as DCP does
+                buffers = templates.record(tensor, settings)
+            offset = out.size
+            out.add(buffers)
+            length = out.size - offset
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=length,
+                    storage_data=_StorageInfo(storage_key, offset, length),
+                )
+            )
+        out.finish()
+    except BaseException:
+        out.abandon()
+        raise
+    return results, out
+
+
+def _buckets(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
+    """``items`` split into ``count`` lists of about equal bytes (largest first, greedy)."""
+    if count == 1:
+        return [list(items)]
+    buckets: list[list[WriteItem]] = [[] for _ in range(count)]
+    sizes = [0] * count
+    for n, item in enumerate(i for i in items if i.type == WriteItemType.BYTE_IO):
+        buckets[n % count].append(item)
+    tensors = [i for i in items if i.type != WriteItemType.BYTE_IO]
+    for item in sorted(tensors, key=_item_bytes, reverse=True):
+        smallest = sizes.index(min(sizes))
+        buckets[smallest].append(item)
+        sizes[smallest] += _item_bytes(item)
+    return [b for b in buckets if b] or [[]]
+
+
+def _item_bytes(item: WriteItem) -> int:
+    assert item.tensor_data is not None
+    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` layout, written by stalwart (see the module docstring).
+
+    One instance per save and rank, used by ``dcp.save`` in the caller's
+    thread. ``threads`` files per rank are written concurrently, one writer
+    thread each (the caller's thread writes the first); an error in any of
+    them is raised from ``write_data`` in the caller's thread. Files are
+    fsynced in the background while DCP goes on (the coordinator writes
+    ``.metadata`` meanwhile); ``sync`` waits for every fsync and raises the
+    first error. After ``sync`` returned, ``written`` lists this rank's files
+    (and, on the coordinator, ``.metadata``) with their sizes and xxh3-128,
+    each durable. ``close`` releases descriptors and threads, whatever
+    happened; ``templates`` is kept across saves to skip ``torch.save`` for
+    layouts seen before.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, threads: int = 1, templates: RecordTemplates
+    ) -> None:
+        if threads < 1:
+            raise ValueError(f"threads={threads}: a rank needs at least one writer thread")
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=threads)
+        self.threads = threads
+        self.templates = templates
+        self.written: list[FileEntry] = []
+        self._files: list[_HashedFile] = []
+        self._syncs: list[_Task] = []
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data
+        assert isinstance(prefix, _StoragePrefix), "prepare_global_plan names each rank's files"
+        jobs = [
+            (Path(self.path) / f"{prefix.prefix}{n}.distcp", f"{prefix.prefix}{n}.distcp", bucket)
+            for n, bucket in enumerate(_buckets(plan.items, self.threads))
+        ]
+        outcomes = self._write_all(jobs, planner)
+        for _results, out in outcomes:
+            self._sync_later(out)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result([r for results, _out in outcomes for r in results])
+        return future
+
+    def _write_all(
+        self, jobs: list[tuple[Path, str, list[WriteItem]]], planner: SavePlanner
+    ) -> list[tuple[list[WriteResult], _HashedFile]]:
+        """Write every job's file; the first job in this thread, the others in threads of their own."""
+        others = [_Task(_write_file, *job, planner, self.templates) for job in jobs[1:]]
+        outcomes: list[tuple[list[WriteResult], _HashedFile]] = []
+        failure: BaseException | None = None
+        try:
+            outcomes.append(_write_file(*jobs[0], planner, self.templates))
+        except BaseException as exc:
+            failure = exc
+        for task in others:
+            try:
+                # A writer thread's exception is raised here, in the caller's thread.
+                outcomes.append(task.result())
+            except BaseException as exc:
+                failure = failure or exc
+        if failure is not None:
+            for _results, out in outcomes:
+                out.abandon()
+            raise failure
+        return outcomes
+
+    def _sync_later(self, out: _HashedFile) -> None:
+        self._files.append(out)
+        self.written.append(dataclasses.replace(out.finish(), path=out.path.name))
+        self._syncs.append(_Task(out.sync))
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write ``.metadata`` as DCP's ``FileSystemWriter`` does (coordinator only), hashed."""
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        metadata.storage_meta = self.storage_meta()
+        tmp = Path(self.path) / f"{_METADATA}.tmp"
+        out = _HashedFile(tmp)
+        try:
+            out.add([pickle.dumps(metadata)])
+            out.finish()
+            os.replace(tmp, Path(self.path) / _METADATA)
+        except BaseException:
+            out.abandon()
+            raise
+        out.path = Path(self.path) / _METADATA
+        self._sync_later(out)
+
+    def sync(self) -> None:
+        """Wait until every file written is durable; raise the first fsync error. Then ``close``."""
+        try:
+            for pending in self._syncs:
+                pending.result()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Wait for the fsync threads, close every descriptor still open; idempotent."""
+        for pending in self._syncs:
+            with contextlib.suppress(BaseException):  # sync() reports them; close() only cleans up
+                pending.result()
+        for out in self._files:
+            out.abandon()

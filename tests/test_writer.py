@@ -1,0 +1,181 @@
+"""``ChecksummingWriter``: DCP's files, byte for byte what torch writes, hashed while written."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+
+from stalwart.manifest import hash_file
+from stalwart.writer import (
+    ChecksummingWriter,
+    RecordTemplates,
+    record_settings,
+    without_zip_crc,
+)
+
+_NO_DIST = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def torch_save_bytes(tensor: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    return buf.getvalue()
+
+
+def record_bytes(templates: RecordTemplates, tensor: torch.Tensor) -> bytes:
+    parts = templates.record(tensor, record_settings())
+    return b"".join(bytes(memoryview(b).cast("B")) for b in parts)
+
+
+def layouts() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(64, 33, generator=g)
+    return [
+        torch.randn(17, 5, generator=g),
+        torch.randn(3, 4, 5, generator=g).to(torch.bfloat16),
+        torch.randint(0, 2, (9,), generator=g).bool(),
+        torch.tensor(7, dtype=torch.int64),  # 0-d: an optimizer's step
+        torch.empty(0, 3),
+        big[5:9],  # a view into a larger storage: plain torch.save
+        big.t(),  # not contiguous: plain torch.save
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(layouts())))
+def test_a_record_is_the_bytes_torch_save_writes_for_new_data_of_a_known_layout(index: int) -> None:
+    templates = RecordTemplates()
+    with without_zip_crc():
+        first = layouts()[index]
+        assert record_bytes(templates, first) == torch_save_bytes(first)
+        # The same layout with other values: header and trailer come from the template.
+        second = first.clone() if first.is_contiguous() else first
+        if second.is_floating_point() and second.numel():
+            second.mul_(3).add_(1)
+        assert record_bytes(templates, second) == torch_save_bytes(second)
+
+
+def test_templates_are_made_only_for_tensors_that_own_their_whole_storage() -> None:
+    templates = RecordTemplates()
+    with without_zip_crc():
+        for tensor in layouts():
+            templates.record(tensor, record_settings())
+    assert len(templates) == 4  # not the empty tensor, the view or the transposed tensor
+
+
+def test_a_changed_storage_alignment_gets_a_template_of_its_own() -> None:
+    from torch.utils.serialization import config
+
+    templates = RecordTemplates()
+    tensor = torch.randn(8, 8)
+    before = config.save.storage_alignment
+    with without_zip_crc():
+        record_bytes(templates, tensor)
+        try:
+            config.save.storage_alignment = 4096
+            assert record_bytes(templates, tensor) == torch_save_bytes(tensor)
+        finally:
+            config.save.storage_alignment = before
+    assert len(templates) == 2
+
+
+def test_with_the_zip_crc_on_every_record_is_a_plain_torch_save() -> None:
+    templates = RecordTemplates()
+    tensor = torch.randn(8, 8)
+    assert record_bytes(templates, tensor) == torch_save_bytes(tensor)
+    assert len(templates) == 0
+
+
+def state() -> dict[str, object]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "w": torch.randn(40, 30, generator=g),
+        "b": torch.randn(30, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(12),
+        "extra": {"epoch": 3, "name": "run"},
+        "ids": [1, 2, 3],
+    }
+
+
+def save(sd: dict[str, object], path: Path, *, threads: int = 1, templates=None):
+    writer = ChecksummingWriter(path, threads=threads, templates=templates or RecordTemplates())
+    try:
+        with warnings.catch_warnings(), without_zip_crc():
+            warnings.filterwarnings("ignore", message=_NO_DIST)
+            dcp.save(sd, storage_writer=writer, no_dist=True)
+        writer.sync()
+    finally:
+        writer.close()
+    return writer
+
+
+def load(path: Path) -> dict[str, object]:
+    target = {
+        "w": torch.zeros(40, 30),
+        "b": torch.zeros(30, dtype=torch.bfloat16),
+        "step": torch.tensor(0),
+        "extra": {"epoch": 0, "name": ""},
+        "ids": [0, 0, 0],
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_DIST)
+        dcp.load(target, storage_reader=FileSystemReader(path), no_dist=True)
+    return target
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_torch_dcp_load_reads_back_every_value(tmp_path: Path, threads: int) -> None:
+    templates = RecordTemplates()
+    for n in range(2):  # the second save writes from templates
+        sd = state()
+        save(sd, tmp_path / f"ckpt{n}", threads=threads, templates=templates)
+        back = load(tmp_path / f"ckpt{n}")
+        for key in ("w", "b", "step"):
+            assert torch.equal(back[key], sd[key]), key
+        assert back["extra"] == sd["extra"] and back["ids"] == sd["ids"]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_checksums_computed_while_writing_are_those_of_the_files(
+    tmp_path: Path, threads: int
+) -> None:
+    writer = save(state(), tmp_path / "ckpt", threads=threads)
+    on_disk = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert sorted(e.path for e in writer.written) == on_disk
+    assert len([n for n in on_disk if n.endswith(".distcp")]) == threads
+    for entry in writer.written:  # sync() ran: every file is complete
+        assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "ckpt" / entry.path)
+
+
+def test_a_failed_write_in_a_writer_thread_fails_the_save(tmp_path: Path) -> None:
+    """torch's own FileSystemWriter loses this error and returns as if it had saved."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    # The second writer thread's file exists already: its O_EXCL create fails for real.
+    (path / "__0_1.distcp").write_bytes(b"in the way")
+    with pytest.raises(CheckpointException) as info:
+        save(state(), path, threads=2)
+    ((error, _trace),) = info.value.failures.values()
+    assert isinstance(error, FileExistsError)
+    assert Path(error.filename).name == "__0_1.distcp"
+    assert not (path / ".metadata").exists()
+
+
+def test_at_least_one_writer_thread(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="threads=0"):
+        ChecksummingWriter(tmp_path, threads=0, templates=RecordTemplates())
+
+
+def test_the_zip_crc_setting_is_restored_after_the_save() -> None:
+    from torch.utils.serialization import config
+
+    before = config.save.compute_crc32
+    with without_zip_crc():
+        assert config.save.compute_crc32 is False
+    assert config.save.compute_crc32 == before
