@@ -13,6 +13,8 @@ one background thread (async); both run the same ``write_and_commit``.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import socket
 import time
 import warnings
@@ -30,7 +32,7 @@ from stalwart.errors import (
     StalwartError,
     StateMismatchError,
 )
-from stalwart.manifest import FileEntry, Manifest
+from stalwart.manifest import FileEntry, Manifest, hash_file
 from stalwart.reader import VerifiedFileReader, verified_checkpoint
 from stalwart.restore_protocol import Restorable
 from stalwart.safe_load import safe_load
@@ -38,6 +40,9 @@ from stalwart.staging import AsyncSaver, StagingArea, stage_state_dict
 from stalwart.storage.base import CheckpointStorage
 from stalwart.verify import FileProblem, file_problems, read_manifest, verify_checkpoint
 from stalwart.writer import ChecksummingWriter, RecordTemplates, without_zip_crc
+
+_DCP_DATA_FILE = re.compile(r"__\d+_\d+\.distcp$")
+"""A DCP data file (rank r writes ``__{r}_*``): its own rank lists it."""
 
 __all__ = [
     "AsyncSaver",
@@ -290,12 +295,36 @@ def _write_mine(
             raise CheckpointSaveError(_first_failure(exc)) from (_find_os_error(exc) or exc)
         timing["written"] = time.perf_counter()
         # Each file was hashed while it was written and is fsynced: nothing is read back.
-        return sorted(writer.written, key=lambda e: e.path)
+        entries = list(writer.written)
+        if coord.is_leader:
+            entries += _foreign_files(staging, {e.path for e in entries})
+        return sorted(entries, key=lambda e: e.path)
     except (OSError, StalwartError, ValueError, TypeError, RuntimeError) as exc:
         where = f" on rank {coord.rank}" if coord.distributed else ""
         raise CheckpointSaveError(
             f"saving step {step} failed{where}: {type(exc).__name__}: {exc}"
         ) from (_find_os_error(exc) or exc)
+
+
+def _foreign_files(directory: Path, known: set[str]) -> list[FileEntry]:
+    """Hash and fsync the files in ``directory`` that DCP did not write (a framework
+    adapter's own files, written and fsynced by their ranks before this save): the
+    leader lists them in the manifest so they are committed and verified like the rest."""
+    entries = []
+    for root, _dirs, names in os.walk(directory):
+        for name in names:
+            path = Path(root) / name
+            rel = path.relative_to(directory).as_posix()
+            if rel in known or _DCP_DATA_FILE.match(rel):
+                continue
+            size, digest = hash_file(path)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            entries.append(FileEntry(path=rel, size=size, xxh3_128=digest))
+    return entries
 
 
 def _first_failure(exc: CheckpointException) -> str:
