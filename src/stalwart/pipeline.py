@@ -32,7 +32,7 @@ from stalwart.errors import (
     StalwartError,
     StateMismatchError,
 )
-from stalwart.manifest import FileEntry, Manifest, hash_file
+from stalwart.manifest import FileEntry, Manifest, hash_file, open_checkpoint_file
 from stalwart.reader import VerifiedFileReader, verified_checkpoint
 from stalwart.restore_protocol import Restorable
 from stalwart.safe_load import safe_load
@@ -309,20 +309,23 @@ def _write_mine(
 def _foreign_files(directory: Path, known: set[str]) -> list[FileEntry]:
     """Hash and fsync the files in ``directory`` that DCP did not write (a framework
     adapter's own files, written and fsynced by their ranks before this save): the
-    leader lists them in the manifest so they are committed and verified like the rest."""
+    leader lists them in the manifest so they are committed and verified like the rest.
+
+    Each is opened as restore opens it (``open_checkpoint_file``): a symbolic link
+    (to a file or a folder) raises ``OSError`` (ELOOP) and a FIFO or device
+    ``CheckpointCorruptError``, so nothing outside the staging directory is
+    committed and the save never waits on a FIFO."""
     entries = []
-    for root, _dirs, names in os.walk(directory):
-        for name in names:
-            path = Path(root) / name
-            rel = path.relative_to(directory).as_posix()
+    for root, dirs, names in os.walk(directory):
+        # os.walk does not descend into a link to a folder: open it to refuse it by name.
+        links = [d for d in dirs if os.path.islink(os.path.join(root, d))]
+        for name in [*names, *links]:
+            rel = (Path(root) / name).relative_to(directory).as_posix()
             if rel in known or _DCP_DATA_FILE.match(rel):
                 continue
-            size, digest = hash_file(path)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            size, digest = hash_file(rel, within=directory)
+            with open_checkpoint_file(directory, rel) as (stream, _size):
+                os.fsync(stream.fileno())
             entries.append(FileEntry(path=rel, size=size, xxh3_128=digest))
     return entries
 
