@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
+from stalwart import writer as writer_module
 from stalwart.manifest import hash_file
 from stalwart.writer import (
     ChecksummingWriter,
@@ -179,3 +180,27 @@ def test_the_zip_crc_setting_is_restored_after_the_save() -> None:
     with without_zip_crc():
         assert config.save.compute_crc32 is False
     assert config.save.compute_crc32 == before
+
+
+def test_the_templates_stay_bounded_over_a_run_whose_shapes_keep_changing() -> None:
+    templates = RecordTemplates()
+    with without_zip_crc():
+        settings = record_settings()
+        for n in range(1, RecordTemplates.MAX_LAYOUTS + 50):
+            templates.record(torch.zeros(n, dtype=torch.uint8), settings)
+        assert len(templates) == RecordTemplates.MAX_LAYOUTS
+        # The newest layouts are kept, and every record is still torch's bytes.
+        tensor = torch.arange(7, dtype=torch.uint8)
+        assert record_bytes(templates, tensor) == torch_save_bytes(tensor)
+
+
+def test_a_data_write_torch_does_not_make_in_one_piece_falls_back_to_torch_save(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As if torch wrote the tensor's data in pieces (or from a copy): no framing can be cut.
+    monkeypatch.setattr(writer_module, "_address_of", lambda view: -1)
+    templates = RecordTemplates()
+    tensor = torch.randn(9, 3)
+    with without_zip_crc():
+        assert record_bytes(templates, tensor) == torch_save_bytes(tensor)
+    assert len(templates) == 0

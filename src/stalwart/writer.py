@@ -153,9 +153,15 @@ class RecordTemplates:
     whose data write is recognised by its address and skipped (no copy of the
     data), so the bytes are torch's own. Any other tensor (a view into a larger storage,
     a subclass, a quantized or conjugated tensor) or a torch computing the CRC
-    gets a plain ``torch.save``. Thread-safe; one instance is meant to live as
-    long as the run (the layouts of a run's saves repeat).
+    gets a plain ``torch.save``, and so does a tensor whose data torch did not
+    write in one piece from its own memory. Thread-safe; one instance is meant
+    to live as long as the run (the layouts of a run's saves repeat). At most
+    ``MAX_LAYOUTS`` layouts are kept, the oldest dropped first, so a run whose
+    shapes keep changing does not grow it without bound.
     """
+
+    MAX_LAYOUTS = 4096
+    """Layouts kept (a few hundred bytes each); far more than a model's distinct shapes."""
 
     def __init__(self) -> None:
         self._parts: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
@@ -176,8 +182,12 @@ class RecordTemplates:
         parts = self._parts.get(key)
         if parts is None:
             parts = _cut_framing(tensor)
+            if parts is None:
+                return [_torch_save_bytes(tensor)]
             with self._lock:
                 self._parts[key] = parts
+                while len(self._parts) > self.MAX_LAYOUTS:
+                    del self._parts[next(iter(self._parts))]
         header, trailer = parts
         return [header, _data_view(tensor), trailer]
 
@@ -234,12 +244,18 @@ def _address_of(view: memoryview) -> int:
     return address
 
 
-def _cut_framing(tensor: torch.Tensor) -> tuple[bytes, bytes]:
-    """Header and trailer that ``torch.save(tensor)`` writes around the tensor's data."""
+def _cut_framing(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+    """Header and trailer that ``torch.save(tensor)`` writes around the tensor's data.
+
+    None when no single write was the tensor's data (a torch that writes it in
+    pieces or from a copy): then no framing can be cut, and the record is a
+    plain ``torch.save``.
+    """
     capture = _FramingCapture(tensor)
     torch.save(tensor, capture)  # type: ignore[arg-type]  # a file-like with write and flush
     # Exactly one write was the data itself: the framing is the rest, in order.
-    assert capture.data_writes == 1, "torch.save did not write the tensor's data in one piece"
+    if capture.data_writes != 1:
+        return None
     return b"".join(capture.before), b"".join(capture.after)
 
 
