@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 import warnings
 from pathlib import Path
 
@@ -204,3 +205,26 @@ def test_a_data_write_torch_does_not_make_in_one_piece_falls_back_to_torch_save(
     with without_zip_crc():
         assert record_bytes(templates, tensor) == torch_save_bytes(tensor)
     assert len(templates) == 0
+
+
+def test_a_write_that_makes_no_progress_fails_instead_of_looping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer_module.os, "writev", lambda fd, buffers: 0)
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            save(state(), tmp_path / "ckpt")
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the writer retried a write that made no progress forever"
+    ((error,),) = [outcome]
+    assert isinstance(error, CheckpointException)
+    ((inner, _trace),) = error.failures.values()
+    assert isinstance(inner, OSError) and inner.filename.endswith("__0_0.distcp")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import io
 import os
 import pickle
@@ -363,6 +364,9 @@ class _HashedFile:
         with self._naming_errors():
             while pending:
                 written = os.writev(self.fd, pending)
+                if written == 0 and any(b.nbytes for b in pending):
+                    # No progress and no error: retrying would loop forever.
+                    raise OSError(errno.EIO, "writev wrote nothing")
                 # A short write (a signal, a filesystem's limit): go on after what it took.
                 while pending and written >= pending[0].nbytes:
                     written -= pending[0].nbytes
