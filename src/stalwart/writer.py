@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import errno
 import io
 import os
@@ -537,7 +536,7 @@ class ChecksummingWriter(FileSystemWriter):
 
     def _sync_later(self, out: _HashedFile) -> None:
         self._files.append(out)
-        self.written.append(dataclasses.replace(out.finish(), path=out.path.name))
+        self.written.append(out.finish())  # names the file by out.path, as renamed
         self._syncs.append(_Task(out.sync))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
