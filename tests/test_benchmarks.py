@@ -197,3 +197,33 @@ def test_certificate_job_measures_the_per_step_cost(tmp_path: Path) -> None:
     lines: list[str] = []
     report._certificate_section({"certificate": cert}, lines.append)
     assert any(line.startswith("| fingerprint (RNG digest") for line in lines)
+
+
+@pytest.mark.parametrize(("floor", "status"), [(0.02, "PASS"), (0.0, "N/A"), (-0.01, "N/A")])
+def test_the_floor_target_is_reported_even_when_the_floor_costs_nothing(
+    floor: float, status: str
+) -> None:
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "benchmarks" / "report.py")
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    run = {"every": 4, "bytes": 64 * 2**20, "step_s": 0.1}
+    results = {
+        "sizes": [],
+        "training": {
+            "runs": [
+                {
+                    **run,
+                    "variant": "stalwart_async",
+                    "overhead": 0.03,
+                    "blocked_share": 0.01,
+                    "background_share": 0.02,
+                },
+                {**run, "variant": "torch_save", "overhead": 0.5},
+                {**run, "variant": "floor_async", "overhead": floor},
+            ]
+        },
+    }
+    report.analyze(results)
+    (row,) = [t for t in results["targets"] if "physical floor" in t["target"]]
+    assert row["status"] == status, row
