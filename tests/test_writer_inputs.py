@@ -136,3 +136,32 @@ def test_adapter_files_are_listed_with_their_checksums(tmp_path: Path) -> None:
     assert [(e.path, e.size, e.xxh3_128) for e in entries] == [
         ("sub/a.pt", 7, hash_file(staging / "sub" / "a.pt")[1])
     ]
+
+
+class _Holder:
+    """A stateful object whose state is the awkward tensors."""
+
+    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
+        self.sd = sd
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.sd)
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.sd = dict(sd)
+
+
+def test_stalwart_restores_every_awkward_tensor_bit_exact(tmp_path: Path) -> None:
+    import stalwart
+
+    for step, scale in ((1, 1.0), (2, 3.0)):  # the second save writes from templates
+        saved = _Holder(awkward_state(scale))
+        with stalwart.CheckpointManager(tmp_path, handle_signals=False) as ckpt:
+            assert ckpt.save(step, stalwart.TrainState(rng=False, holder=saved), force=True)
+        back = _Holder({k: torch.zeros_like(v.contiguous()) for k, v in saved.sd.items()})
+        with stalwart.CheckpointManager(tmp_path, handle_signals=False) as ckpt:
+            assert ckpt.restore(stalwart.TrainState(rng=False, holder=back)) == step
+        for key, value in saved.sd.items():
+            got, want = back.sd[key].contiguous().reshape(-1), value.contiguous().reshape(-1)
+            assert got.dtype == want.dtype, key
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), key
