@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from stalwart.errors import CheckpointCorruptError
+from stalwart.errors import CheckpointCorruptError, CheckpointSaveError
 from stalwart.manifest import hash_file
 from stalwart.pipeline import _foreign_files
 from stalwart.writer import ChecksummingWriter, RecordTemplates, without_zip_crc
@@ -136,6 +136,15 @@ def test_adapter_files_are_listed_with_their_checksums(tmp_path: Path) -> None:
     assert [(e.path, e.size, e.xxh3_128) for e in entries] == [
         ("sub/a.pt", 7, hash_file(staging / "sub" / "a.pt")[1])
     ]
+
+
+@pytest.mark.parametrize("name", ["MANIFEST.json", "MANIFEST.json.tmp"])
+def test_an_adapter_file_named_as_the_commit_s_manifest_is_refused(
+    tmp_path: Path, name: str
+) -> None:
+    (tmp_path / name).write_text("{}")
+    with pytest.raises(CheckpointSaveError, match="written by the commit"):
+        _foreign_files(tmp_path, set())
 
 
 class _Holder:

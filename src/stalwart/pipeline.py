@@ -32,6 +32,7 @@ from stalwart.errors import (
     StalwartError,
     StateMismatchError,
 )
+from stalwart.layout import MANIFEST_NAME
 from stalwart.manifest import FileEntry, Manifest, hash_file, open_checkpoint_file
 from stalwart.reader import VerifiedFileReader, verified_checkpoint
 from stalwart.restore_protocol import Restorable
@@ -323,6 +324,12 @@ def _foreign_files(directory: Path, known: set[str]) -> list[FileEntry]:
             rel = (Path(root) / name).relative_to(directory).as_posix()
             if rel in known or _DCP_DATA_FILE.match(rel):
                 continue
+            if rel in (MANIFEST_NAME, MANIFEST_NAME + ".tmp"):
+                # The commit writes this name: the manifest would list itself, then be replaced.
+                raise CheckpointSaveError(
+                    f"{Path(root) / name}: {rel} is written by the commit; a framework's "
+                    "files in the staging directory must use other names"
+                )
             size, digest = hash_file(rel, within=directory)
             with open_checkpoint_file(directory, rel) as (stream, _size):
                 os.fsync(stream.fileno())
