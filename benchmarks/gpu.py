@@ -5,9 +5,9 @@
 
 Checks (each prints one ``PASS``/``FAIL`` line; the exit status is 1 if any failed):
 
-- pinned staging: an async save stages a GPU tensor into pinned host memory;
+- pinned staging: `StagingArea.stage` (what an async save stages with) copies a GPU tensor into pinned host memory;
 - per-device RNG: a restore brings back every CUDA generator's stream;
-- DDP save/restore on one GPU: a single-rank DDP model saves and restores bit-exact;
+- DDP save/restore on one GPU: a single-rank DDP model and its AdamW state save and restore bit-exact;
 
 and measurements (one ``RATIO`` line each):
 
