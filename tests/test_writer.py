@@ -248,3 +248,26 @@ def test_short_writes_are_continued_where_they_stopped(
     back = load(tmp_path / "ckpt")
     for key in ("w", "b", "step"):
         assert torch.equal(back[key], sd[key]), key
+
+
+def test_a_tensor_changed_after_it_was_hashed_is_caught_by_the_checksum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checksum is of the bytes handed over: another thread writing into a tensor
+    while it is saved gives a file that fails verification, never one that passes
+    with other values."""
+    sd = state()
+    real_flush = writer_module._HashedFile.flush
+    changed: list[bool] = []
+
+    def flush_after_a_change(self: writer_module._HashedFile) -> None:
+        if not changed and self.path.suffix == ".distcp":
+            sd["w"].add_(1.0)  # type: ignore[union-attr]  # after add() hashed it, before writev
+            changed.append(True)
+        real_flush(self)
+
+    monkeypatch.setattr(writer_module._HashedFile, "flush", flush_after_a_change)
+    writer = save(sd, tmp_path / "ckpt")
+    assert changed
+    (entry,) = [e for e in writer.written if e.path.endswith(".distcp")]
+    assert hash_file(tmp_path / "ckpt" / entry.path) != (entry.size, entry.xxh3_128)
