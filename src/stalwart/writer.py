@@ -491,7 +491,6 @@ class ChecksummingWriter(FileSystemWriter):
         if threads < 1:
             raise ValueError(f"threads={threads}: a rank needs at least one writer thread")
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=threads)
-        self.threads = threads
         self.templates = templates
         self.written: list[FileEntry] = []
         self._files: list[_HashedFile] = []
@@ -502,7 +501,7 @@ class ChecksummingWriter(FileSystemWriter):
         assert isinstance(prefix, _StoragePrefix), "prepare_global_plan names each rank's files"
         jobs = [
             (Path(self.path) / f"{prefix.prefix}{n}.distcp", f"{prefix.prefix}{n}.distcp", bucket)
-            for n, bucket in enumerate(_buckets(plan.items, self.threads))
+            for n, bucket in enumerate(_buckets(plan.items, self.thread_count))
         ]
         outcomes = self._write_all(jobs, planner)
         for _results, out in outcomes:
