@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from stalwart.dcp_metadata import _unpickle_metadata
 from stalwart.errors import CheckpointCorruptError
 from stalwart.manifest import Manifest, open_checkpoint_file
 from stalwart.safe_load import SafeFileSystemReader, read_dcp_metadata
@@ -138,6 +139,25 @@ class VerifiedFiles:
         with self._lock:
             return self._held[name]
 
+    def metadata(self) -> Metadata:
+        """The DCP metadata, unpickled by the restricted unpickler from the checked bytes
+        of ``.metadata`` (never read from disk again: another writer's file would
+        be used unchecked); its data bounds are checked against the manifest's sizes."""
+        where = os.path.join(self.directory, _METADATA)
+        view = self.held(_METADATA).view
+
+        def size_of(name: str) -> int:
+            entry = self._entries.get(name)
+            if entry is None:
+                raise CheckpointCorruptError(
+                    f"{where}: names {name!r}, which the manifest does not list; "
+                    "the checkpoint is damaged",
+                    path=where,
+                )
+            return entry.size
+
+        return _unpickle_metadata(io.BytesIO(view), len(view), where, size_of)
+
     def close(self) -> None:
         """Let go of every file's bytes (a tensor decoded from a file keeps its buffer alive
         until the tensor is dropped; a restore copies them into its targets at once)."""
@@ -174,12 +194,13 @@ def verified_checkpoint(
 ) -> tuple[VerifiedFiles, Metadata]:
     """A restore's gate: the manifest (``read_manifest``), the size of every file, and
     this rank's share of the files read and checked into memory; with the DCP
-    metadata, read by the restricted unpickler once its file's checksum matched.
+    metadata, unpickled by the restricted unpickler from the very bytes whose
+    checksum matched (``VerifiedFiles.metadata``).
 
     ``part=(rank, world_size)`` takes every world_size-th data file, so the
     ranks share the reading and together check every file; a file a rank's
     load needs from another share is read and checked when it is needed
-    (``VerifiedFileReader``). The metadata is read while the data files are
+    (``VerifiedFileReader``). The metadata is unpickled while the data files are
     hashed (xxh3 releases the GIL). Raises what ``verify_checkpoint`` and
     ``read_dcp_metadata`` raise; a damaged file before anything the metadata says.
     """
@@ -196,7 +217,7 @@ def verified_checkpoint(
     with concurrent.futures.ThreadPoolExecutor(1, "stalwart-verify") as pool:
         checked = pool.submit(files.verify, share)
         try:
-            metadata = read_dcp_metadata(path)
+            metadata = files.metadata() if _METADATA in listed else read_dcp_metadata(path)
         finally:
             # A damaged file is the reason given, before anything the metadata said.
             checked.result()

@@ -1,0 +1,120 @@
+"""Restore under attack: crafted records, files changed between check and use, an
+optimizer of another kind. Each case is refused with a clear error, or gives
+exactly what torch itself would; the live state stays untouched when refused."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import stalwart
+from stalwart.reader import VerifiedFiles, decode_tensor, verified_checkpoint
+from stalwart.safe_load import read_dcp_metadata
+
+from .conftest import make_parts, snapshot, train_steps
+
+
+def saved(run: Path, width: int) -> tuple[Path, dict]:
+    parts = make_parts(hidden=width)
+    train_steps(parts, 2)
+    with stalwart.CheckpointManager(run, every_steps=1) as ckpt:
+        ckpt.save(2, parts.state)
+    return next(run.glob("step_*")), snapshot(parts)
+
+
+# ------------------------------------------------------------ check, then use
+
+
+def test_the_metadata_used_is_the_metadata_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``.metadata`` replaced on disk right after its checksum matched: the restore
+    uses the bytes it checked, never the file's new content."""
+    ckpt, _ = saved(tmp_path / "a", 64)
+    other, _ = saved(tmp_path / "b", 32)
+    original = read_dcp_metadata(ckpt).state_dict_metadata
+    verify = VerifiedFiles.verify
+
+    def verify_then_swap(self: VerifiedFiles, names: object) -> None:
+        names = list(names)  # type: ignore[call-overload]
+        verify(self, names)
+        if ".metadata" in names:
+            shutil.copyfile(other / ".metadata", ckpt / ".metadata")
+
+    monkeypatch.setattr(VerifiedFiles, "verify", verify_then_swap)
+    files, metadata = verified_checkpoint(ckpt)
+    files.close()
+    assert metadata.state_dict_metadata == original
+
+
+# ------------------------------------------------------------ crafted records
+
+
+def _members(tensor: torch.Tensor) -> list[tuple[str, bytes]]:
+    out = io.BytesIO()
+    torch.save(tensor, out)
+    with zipfile.ZipFile(io.BytesIO(out.getvalue())) as zf:
+        return [(info.filename, zf.read(info)) for info in zf.infolist()]
+
+
+def _rezip(members: list[tuple[str, bytes]], *, zip64: bool = False) -> memoryview:
+    out = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # duplicate names are the point of one case
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for name, data in members:
+                with zf.open(name, "w", force_zip64=zip64) as f:
+                    f.write(data)
+    return memoryview(bytearray(out.getvalue()))
+
+
+def test_a_rebuilt_archive_of_the_same_records_still_decodes() -> None:
+    tensor = torch.randn(3, 4)
+    got = decode_tensor(_rezip(_members(tensor)), torch.float32, (3, 4))
+    assert got is not None and torch.equal(got, tensor)
+
+
+def test_a_storage_record_of_the_wrong_length_is_not_decoded() -> None:
+    for data in (b"\0" * 44, b"\0" * 52, b""):
+        members = [
+            (name, data if name.endswith("/data/0") else blob)
+            for name, blob in _members(torch.randn(3, 4))
+        ]
+        assert decode_tensor(_rezip(members), torch.float32, (3, 4)) is None
+
+
+def test_duplicate_names_are_not_decoded() -> None:
+    members = _members(torch.randn(3, 4))
+    record = next(m for m in members if m[0].endswith("/data/0"))
+    for crafted in ([*members, record], [record, *members]):
+        assert decode_tensor(_rezip(crafted), torch.float32, (3, 4)) is None
+
+
+def test_a_zip64_archive_decodes_to_the_same_tensor_or_not_at_all() -> None:
+    """Local zip64 headers (sizes in an extra field) are skipped by their lengths: the
+    bytes decoded are the record's, exactly what torch.load reads."""
+    tensor = torch.randn(3, 4)
+    got = decode_tensor(_rezip(_members(tensor), zip64=True), torch.float32, (3, 4))
+    assert got is None or torch.equal(got, tensor)
+    loaded = torch.load(io.BytesIO(bytes(_rezip(_members(tensor), zip64=True))), weights_only=True)
+    assert torch.equal(loaded, tensor)
+
+
+def test_offsets_pointing_outside_the_record_are_not_decoded() -> None:
+    view = _rezip(_members(torch.randn(3, 4)))
+    end = bytes(view).rindex(b"PK\x05\x06")
+    central = int.from_bytes(view[end + 16 : end + 20], "little")
+    for field, value in (
+        (central + 42, len(view) + 10),
+        (central + 42, 2**32 - 1),
+        (end + 16, len(view)),
+    ):
+        bent = bytearray(view)
+        bent[field : field + 4] = value.to_bytes(4, "little")
+        assert decode_tensor(memoryview(bent), torch.float32, (3, 4)) is None
