@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import stalwart
+from stalwart.pipeline import load_checkpoint
 from stalwart.reader import VerifiedFiles, decode_tensor, verified_checkpoint
 from stalwart.safe_load import read_dcp_metadata
 
@@ -118,3 +119,43 @@ def test_offsets_pointing_outside_the_record_are_not_decoded() -> None:
         bent = bytearray(view)
         bent[field : field + 4] = value.to_bytes(4, "little")
         assert decode_tensor(memoryview(bent), torch.float32, (3, 4)) is None
+
+
+# ------------------------------------------------------------ optimizer of another kind
+
+
+def _sgd_checkpoint(run: Path) -> Path:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    with stalwart.CheckpointManager(run, every_steps=1) as ckpt:
+        ckpt.save(1, stalwart.TrainState(model=model, optimizer=opt, rng=False))
+    return next(run.glob("step_*"))
+
+
+def test_an_optimizer_of_another_kind_is_a_clear_mismatch_and_stays_untouched(
+    tmp_path: Path,
+) -> None:
+    path = _sgd_checkpoint(tmp_path)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    groups = [dict(g) for g in opt.param_groups]
+    with pytest.raises(stalwart.StateMismatchError, match="betas"):
+        load_checkpoint(path, stalwart.TrainState(model=model, optimizer=opt, rng=False))
+    assert not opt.state and [dict(g) for g in opt.param_groups] == groups
+
+
+def test_an_optimizer_of_another_kind_loads_the_shared_keys_when_not_strict(
+    tmp_path: Path,
+) -> None:
+    """strict=False loads the keys both have; the optimizer's own state comes from its
+    own initialisation, never SGD's momentum buffers (which Adam cannot load: its
+    load_state_dict raised KeyError 'step' with the live state half restored)."""
+    path = _sgd_checkpoint(tmp_path)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    load_checkpoint(path, stalwart.TrainState(model=model, optimizer=opt, rng=False), strict=False)
+    assert opt.param_groups[0]["lr"] == 0.1
+    assert all("momentum_buffer" not in state for state in opt.state.values())
