@@ -7,9 +7,10 @@ arithmetic over every parameter, a third of a restore's time in one profile.
 A restore does not need those values, only tensors of the right shape, dtype
 and placement for DCP to read the saved ones into. The checkpoint's metadata
 names every saved state entry (``<section>.state.<fqn>.<name>``) with its global
-shape and dtype, which is enough to build them: zeros shaped like the parameter
-(a sharded parameter gives a sharded state, ``zeros_like`` keeps its placement)
-and scalars such as Adam's ``step``.
+shape and dtype, which is enough to build them: uninitialised tensors shaped like
+the parameter (a sharded parameter gives a sharded state, ``empty_like`` keeps its
+placement; DCP reads every one of them, as each is a saved entry) and zero
+scalars such as Adam's ``step``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def materialise_optimizer_state(
     section: str,
 ) -> bool:
     """Give ``optimizer`` (empty, over parameters of ``module``) the state ``metadata``
-    records under ``section`` (``optimizer``, ``optimizer.G``, ...), as zeros.
+    records under ``section`` (``optimizer``, ``optimizer.G``, ...), unfilled: the
+    restore reads the saved values into it.
 
     Returns True when the state was built; False, with ``optimizer`` left empty,
     when the saved param groups name other hyperparameters (an optimizer of

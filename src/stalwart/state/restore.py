@@ -59,7 +59,7 @@ class TrainStatePlan:
         self.strict = strict
         self._live: dict[str, Any] | None = None
         # Optimizers without state before the plan touched them: building the
-        # live state dict gives them state (zeros, or a zero-lr step's), undone by discard.
+        # live state dict gives them state (from the metadata, or a zero-lr step's), undone by discard.
         self._fresh = [opt for opt in state.optimizers if not opt.state]
         self.materialised = 0
         """Fresh optimizers given their state from the metadata (the rest took DCP's step)."""
