@@ -18,7 +18,7 @@ from stalwart.pipeline import load_checkpoint
 from stalwart.reader import VerifiedFiles, decode_tensor, verified_checkpoint
 from stalwart.safe_load import read_dcp_metadata
 
-from .conftest import make_parts, snapshot, train_steps
+from .conftest import assert_same, make_parts, snapshot, train_steps
 
 
 def saved(run: Path, width: int) -> tuple[Path, dict]:
@@ -52,6 +52,29 @@ def test_the_metadata_used_is_the_metadata_checked(
     files, metadata = verified_checkpoint(ckpt)
     files.close()
     assert metadata.state_dict_metadata == original
+
+
+def test_data_files_overwritten_after_their_check_are_not_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every data file overwritten (same size) right after its checksum matched: the
+    restore gives the checked values, as it never reads a file a second time."""
+    ckpt, want = saved(tmp_path / "a", 64)
+    verify = VerifiedFiles.verify
+
+    def verify_then_overwrite(self: VerifiedFiles, names: object) -> None:
+        names = list(names)  # type: ignore[call-overload]
+        verify(self, names)
+        for name in names:
+            if name.endswith(".distcp"):
+                size = (ckpt / name).stat().st_size
+                (ckpt / name).write_bytes(b"\xff" * size)
+
+    monkeypatch.setattr(VerifiedFiles, "verify", verify_then_overwrite)
+    parts = make_parts(hidden=64)
+    load_checkpoint(ckpt, parts.state)
+    assert_same(want["model"], dict(parts.model.state_dict()))
+    assert_same(want["optimizer"], torch.optim.Optimizer.state_dict(parts.optimizer))
 
 
 # ------------------------------------------------------------ crafted records
@@ -159,3 +182,39 @@ def test_an_optimizer_of_another_kind_loads_the_shared_keys_when_not_strict(
     load_checkpoint(path, stalwart.TrainState(model=model, optimizer=opt, rng=False), strict=False)
     assert opt.param_groups[0]["lr"] == 0.1
     assert all("momentum_buffer" not in state for state in opt.state.values())
+
+
+def test_a_fresh_optimizer_under_a_scheduler_is_still_restored_without_a_step(
+    tmp_path: Path,
+) -> None:
+    """A scheduler adds ``initial_lr`` to the param groups: saved and live groups still
+    agree, so the state comes from the metadata, not from a step."""
+    ckpt, want = saved(tmp_path, 16)
+    parts = make_parts(hidden=16)
+    assert "initial_lr" in parts.optimizer.param_groups[0]
+    steps = [0]
+    parts.optimizer.register_step_pre_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
+    load_checkpoint(ckpt, parts.state)
+    assert steps == [0]
+    assert_same(want["optimizer"], torch.optim.Optimizer.state_dict(parts.optimizer))
+
+
+def test_param_groups_split_otherwise_are_a_clear_mismatch_and_stay_untouched(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    with stalwart.CheckpointManager(tmp_path, every_steps=1) as ckpt:
+        ckpt.save(1, stalwart.TrainState(model=model, optimizer=opt, rng=False))
+    path = next(tmp_path.glob("step_*"))
+    for groups in ([{"params": [0]}, {"params": [1]}], [{"params": [0]}]):
+        fresh = torch.nn.Linear(4, 2)
+        params = list(fresh.parameters())
+        live = torch.optim.Adam([{"params": [params[i] for i in g["params"]]} for g in groups])
+        before = [dict(g) for g in live.param_groups]
+        with pytest.raises(stalwart.StateMismatchError, match="optimizer"):
+            load_checkpoint(path, stalwart.TrainState(model=fresh, optimizer=live, rng=False))
+        assert not live.state and [dict(g) for g in live.param_groups] == before
