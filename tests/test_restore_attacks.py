@@ -4,7 +4,9 @@ exactly what torch itself would; the live state stays untouched when refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import os
 import shutil
 import warnings
 import zipfile
@@ -17,6 +19,7 @@ import stalwart
 from stalwart.pipeline import load_checkpoint
 from stalwart.reader import VerifiedFiles, decode_tensor, verified_checkpoint
 from stalwart.safe_load import read_dcp_metadata
+from stalwart.verify import read_manifest
 
 from .conftest import assert_same, make_parts, snapshot, train_steps
 
@@ -75,6 +78,30 @@ def test_data_files_overwritten_after_their_check_are_not_read_again(
     load_checkpoint(ckpt, parts.state)
     assert_same(want["model"], dict(parts.model.state_dict()))
     assert_same(want["optimizer"], torch.optim.Optimizer.state_dict(parts.optimizer))
+
+
+def _overcommit_refuses_a_tebibyte() -> bool:
+    """Whether the kernel fails a 1 TiB allocation at once (mode 1 would grant it and
+    the zero-fill would bring in the OOM killer)."""
+    try:
+        return Path("/proc/sys/vm/overcommit_memory").read_text().strip() in ("0", "2")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _overcommit_refuses_a_tebibyte(), reason="needs Linux's overcommit check")
+def test_a_file_too_big_to_hold_is_a_clear_error_not_a_memory_error(tmp_path: Path) -> None:
+    """A (sparse) file of 1 TiB whose manifest entry says so: holding it in memory fails
+    with a CheckpointCorruptError every rank can agree on, not a MemoryError."""
+    ckpt, _ = saved(tmp_path / "a", 16)
+    manifest = read_manifest(ckpt)
+    entry = next(e for e in manifest.files if e.path.endswith(".distcp"))
+    os.truncate(ckpt / entry.path, 2**40)
+    files = [dataclasses.replace(e, size=2**40) if e is entry else e for e in manifest.files]
+    held = VerifiedFiles(ckpt, dataclasses.replace(manifest, files=files))
+    with pytest.raises(stalwart.CheckpointCorruptError, match="cannot hold") as info:
+        held.verify([entry.path])
+    assert info.value.transient
 
 
 # ------------------------------------------------------------ crafted records

@@ -185,6 +185,12 @@ class VerifiedFiles:
             return FileProblem(name, str(exc).removeprefix(f"{exc.path}: "))
         except OSError as exc:
             return FileProblem(name, f"cannot read ({exc.strerror or exc})", True, exc)
+        except MemoryError:
+            # An outcome, not a bug: every rank must hear of it (Coordinator.agree),
+            # and the file may be fine where there is more memory.
+            return FileProblem(
+                name, f"cannot hold its {entry.size} bytes in memory to check and load it", True
+            )
         problem = size_problem(entry, got) or checksum_problem(entry, digest)
         return held if problem is None else problem
 
