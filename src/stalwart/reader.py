@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from stalwart.dcp_metadata import _unpickle_metadata
+from stalwart.dcp_metadata import metadata_from_bytes
 from stalwart.errors import CheckpointCorruptError
 from stalwart.manifest import Manifest, open_checkpoint_file
 from stalwart.safe_load import SafeFileSystemReader, read_dcp_metadata
@@ -156,7 +156,7 @@ class VerifiedFiles:
                 )
             return entry.size
 
-        return _unpickle_metadata(io.BytesIO(view), len(view), where, size_of)
+        return metadata_from_bytes(view, where, size_of)
 
     def close(self) -> None:
         """Let go of every file's bytes (a tensor decoded from a file keeps its buffer alive
