@@ -17,8 +17,8 @@ import torch
 
 import stalwart
 from stalwart.pipeline import load_checkpoint
-from stalwart.reader import VerifiedFiles, decode_tensor, verified_checkpoint
-from stalwart.safe_load import read_dcp_metadata
+from stalwart.reader import VerifiedFileReader, VerifiedFiles, decode_tensor, verified_checkpoint
+from stalwart.safe_load import read_dcp_metadata, safe_load
 from stalwart.verify import read_manifest
 
 from .conftest import assert_same, make_parts, snapshot, train_steps
@@ -102,6 +102,25 @@ def test_a_file_too_big_to_hold_is_a_clear_error_not_a_memory_error(tmp_path: Pa
     with pytest.raises(stalwart.CheckpointCorruptError, match="cannot hold") as info:
         held.verify([entry.path])
     assert info.value.transient
+
+
+def test_metadata_pointing_a_tensor_at_another_shape_s_record_is_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    """Metadata (consistent with its manifest) whose storage entry for one tensor names
+    another tensor's record: the reader names the item and both shapes."""
+    ckpt, _ = saved(tmp_path / "a", 16)
+    metadata = read_dcp_metadata(ckpt)
+    index = {i.fqn: i for i in metadata.storage_data}
+    metadata.storage_data[index["model.0.weight"]] = metadata.storage_data[index["model.0.bias"]]
+    files = VerifiedFiles(ckpt, read_manifest(ckpt))
+    target = {"model.0.weight": torch.zeros(16, 4)}
+    reader = VerifiedFileReader(ckpt, files=files, metadata=metadata)
+    with pytest.raises(
+        stalwart.CheckpointCorruptError, match=r"'model.0.weight' holds shape \[16\]"
+    ):
+        safe_load(target, ckpt, metadata=metadata, reader=reader)
+    assert not target["model.0.weight"].any()
 
 
 # ------------------------------------------------------------ crafted records

@@ -301,6 +301,19 @@ class VerifiedFileReader(SafeFileSystemReader):
             tensor = decode_tensor(blob, *expected)
         if tensor is None:
             tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            if expected is not None and not (
+                isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == expected[1]
+            ):
+                held_what = (
+                    f"shape {list(tensor.shape)}"
+                    if isinstance(tensor, torch.Tensor)
+                    else type(tensor).__name__
+                )
+                raise CheckpointCorruptError(
+                    f"{self.path}: item {item.storage_index.fqn!r} holds {held_what}, the DCP "
+                    f"metadata records shape {list(expected[1])}; the DCP metadata is damaged",
+                    path=os.fspath(self.path),
+                )
         else:
             self.decoded += 1
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
