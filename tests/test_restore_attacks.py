@@ -123,6 +123,21 @@ def test_metadata_pointing_a_tensor_at_another_shape_s_record_is_a_clear_error(
     assert not target["model.0.weight"].any()
 
 
+def test_a_file_truncated_after_the_size_pass_is_refused_before_use(tmp_path: Path) -> None:
+    """VerifiedFiles re-checks the size of what it read, not only of what the manifest
+    pass saw: a file cut short in between is a size problem, never a short buffer."""
+    ckpt, _ = saved(tmp_path / "a", 16)
+    manifest = read_manifest(ckpt)
+    entry = next(e for e in manifest.files if e.path.endswith(".distcp"))
+    os.truncate(ckpt / entry.path, entry.size // 2)
+    files = VerifiedFiles(ckpt, manifest)
+    with pytest.raises(stalwart.CheckpointCorruptError, match="truncated") as info:
+        files.verify([entry.path])
+    assert not info.value.transient
+    with pytest.raises(stalwart.CheckpointCorruptError, match="truncated"):
+        files.held(entry.path)
+
+
 # ------------------------------------------------------------ crafted records
 
 
