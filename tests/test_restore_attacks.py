@@ -8,6 +8,7 @@ import dataclasses
 import io
 import os
 import shutil
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import stalwart
+from stalwart.manifest import FileEntry
 from stalwart.pipeline import load_checkpoint
 from stalwart.reader import VerifiedFileReader, VerifiedFiles, decode_tensor, verified_checkpoint
 from stalwart.safe_load import read_dcp_metadata, safe_load
@@ -136,6 +138,29 @@ def test_a_file_truncated_after_the_size_pass_is_refused_before_use(tmp_path: Pa
     assert not info.value.transient
     with pytest.raises(stalwart.CheckpointCorruptError, match="truncated"):
         files.held(entry.path)
+
+
+def test_after_a_bad_file_the_files_not_started_are_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt, _ = saved(tmp_path / "a", 16)
+    manifest = read_manifest(ckpt)
+    names = [f"x{i}.bin" for i in range(40)]
+    for name in names:
+        (ckpt / name).write_bytes(b"y" * 4096)
+    files = [*manifest.files, *(FileEntry(path=n, size=4096, xxh3_128="0" * 32) for n in names)]
+    checked = VerifiedFiles(ckpt, dataclasses.replace(manifest, files=files))
+    read = VerifiedFiles._read
+
+    def slow_read(self: VerifiedFiles, name: str) -> object:
+        if name != "x0.bin":
+            time.sleep(0.05)  # the bad first file is seen while the others are in flight
+        return read(self, name)
+
+    monkeypatch.setattr(VerifiedFiles, "_read", slow_read)
+    with pytest.raises(stalwart.CheckpointCorruptError, match=r"x0\.bin: checksum mismatch"):
+        checked.verify(names)
+    assert sum(checked.reads.values()) <= len(names) // 2, checked.reads
 
 
 # ------------------------------------------------------------ crafted records

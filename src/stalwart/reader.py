@@ -121,17 +121,17 @@ class VerifiedFiles:
             todo = [name for name in dict.fromkeys(names) if name not in self._held]
         if not todo:
             return
-        if len(todo) == 1:
-            results = [self._read(todo[0])]
-        else:
-            workers = min(len(todo), VERIFY_THREADS)
-            with concurrent.futures.ThreadPoolExecutor(workers, "stalwart-read") as pool:
-                results = list(pool.map(self._read, todo))
-        for name, result in zip(todo, results, strict=True):
-            if isinstance(result, FileProblem):
-                raise result.error(self.directory)
-            with self._lock:
-                self._held[name] = result
+        workers = min(len(todo), VERIFY_THREADS)
+        with concurrent.futures.ThreadPoolExecutor(workers, "stalwart-read") as pool:
+            pending = [pool.submit(self._read, name) for name in todo]
+            for name, future in zip(todo, pending, strict=True):
+                result = future.result()
+                if isinstance(result, FileProblem):
+                    # Files not started yet are not read at all (as in file_problems).
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise result.error(self.directory)
+                with self._lock:
+                    self._held[name] = result
 
     def held(self, name: str) -> _Held:
         """The checked bytes of ``name``, reading and checking it first if needed."""
