@@ -1,10 +1,11 @@
 """The restore protocol: ``load_checkpoint`` drives a ``RestorePlan``, whoever implements it.
 
 TrainState is one ``Restorable``; an integration can bring its own. The live
-module and optimizer state dicts, whose construction runs an optimizer step on a
-fresh optimizer, are built once per restore (counted with torch's own
-``state_dict`` hooks, not by replacing stalwart code), and a rank whose check
-passed leaves a fresh optimizer empty when another rank's check fails.
+module and optimizer state dicts, whose construction gives a fresh optimizer its
+state (from the checkpoint's metadata, or by DCP's own step where the metadata
+cannot), are built once per restore (counted with torch's own ``state_dict``
+hooks, not by replacing stalwart code), and a rank whose check passed leaves a
+fresh optimizer empty when another rank's check fails.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from stalwart.errors import (
 )
 from stalwart.manifest import open_checkpoint_file
 
-__all__ = ["read_dcp_metadata", "read_metadata_file"]
+__all__ = ["metadata_from_bytes", "read_dcp_metadata", "read_metadata_file"]
 
 _METADATA_FILE = ".metadata"
 _TAMPERED = "the file is not a genuine DCP metadata file or was tampered with"
@@ -445,6 +445,19 @@ def read_metadata_file(directory: str, name: str) -> Metadata:
         raise CheckpointCorruptError(
             f"{where}: cannot read ({exc.strerror or exc})", path=where, transient=True
         ) from exc
+
+
+def metadata_from_bytes(
+    data: bytes | memoryview, where: str, file_size: Callable[[str], int]
+) -> Metadata:
+    """Check and return the metadata pickle ``data`` (the content of ``where``), already read.
+
+    For a caller that checked the bytes itself and must use exactly those (a
+    restore passes the bytes whose checksum matched): the same unpickler and
+    checks as ``read_metadata_file``, with ``file_size(name)`` the data files'
+    sizes (raising ``CheckpointCorruptError`` for one it does not know).
+    """
+    return _unpickle_metadata(io.BytesIO(data), len(data), where, file_size)
 
 
 def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:

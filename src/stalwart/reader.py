@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from stalwart.dcp_metadata import metadata_from_bytes
 from stalwart.errors import CheckpointCorruptError
 from stalwart.manifest import Manifest, open_checkpoint_file
 from stalwart.safe_load import SafeFileSystemReader, read_dcp_metadata
@@ -120,23 +121,42 @@ class VerifiedFiles:
             todo = [name for name in dict.fromkeys(names) if name not in self._held]
         if not todo:
             return
-        if len(todo) == 1:
-            results = [self._read(todo[0])]
-        else:
-            workers = min(len(todo), VERIFY_THREADS)
-            with concurrent.futures.ThreadPoolExecutor(workers, "stalwart-read") as pool:
-                results = list(pool.map(self._read, todo))
-        for name, result in zip(todo, results, strict=True):
-            if isinstance(result, FileProblem):
-                raise result.error(self.directory)
-            with self._lock:
-                self._held[name] = result
+        workers = min(len(todo), VERIFY_THREADS)
+        with concurrent.futures.ThreadPoolExecutor(workers, "stalwart-read") as pool:
+            pending = [pool.submit(self._read, name) for name in todo]
+            for name, future in zip(todo, pending, strict=True):
+                result = future.result()
+                if isinstance(result, FileProblem):
+                    # Files not started yet are not read at all (as in file_problems).
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise result.error(self.directory)
+                with self._lock:
+                    self._held[name] = result
 
     def held(self, name: str) -> _Held:
         """The checked bytes of ``name``, reading and checking it first if needed."""
         self.verify([name])
         with self._lock:
             return self._held[name]
+
+    def metadata(self) -> Metadata:
+        """The DCP metadata, unpickled by the restricted unpickler from the checked bytes
+        of ``.metadata`` (never read from disk again: another writer's file would
+        be used unchecked); its data bounds are checked against the manifest's sizes."""
+        where = os.path.join(self.directory, _METADATA)
+        view = self.held(_METADATA).view
+
+        def size_of(name: str) -> int:
+            entry = self._entries.get(name)
+            if entry is None:
+                raise CheckpointCorruptError(
+                    f"{where}: names {name!r}, which the manifest does not list; "
+                    "the checkpoint is damaged",
+                    path=where,
+                )
+            return entry.size
+
+        return metadata_from_bytes(view, where, size_of)
 
     def close(self) -> None:
         """Let go of every file's bytes (a tensor decoded from a file keeps its buffer alive
@@ -165,6 +185,12 @@ class VerifiedFiles:
             return FileProblem(name, str(exc).removeprefix(f"{exc.path}: "))
         except OSError as exc:
             return FileProblem(name, f"cannot read ({exc.strerror or exc})", True, exc)
+        except MemoryError:
+            # An outcome, not a bug: every rank must hear of it (Coordinator.agree),
+            # and the file may be fine where there is more memory.
+            return FileProblem(
+                name, f"cannot hold its {entry.size} bytes in memory to check and load it", True
+            )
         problem = size_problem(entry, got) or checksum_problem(entry, digest)
         return held if problem is None else problem
 
@@ -174,12 +200,13 @@ def verified_checkpoint(
 ) -> tuple[VerifiedFiles, Metadata]:
     """A restore's gate: the manifest (``read_manifest``), the size of every file, and
     this rank's share of the files read and checked into memory; with the DCP
-    metadata, read by the restricted unpickler once its file's checksum matched.
+    metadata, unpickled by the restricted unpickler from the very bytes whose
+    checksum matched (``VerifiedFiles.metadata``).
 
     ``part=(rank, world_size)`` takes every world_size-th data file, so the
     ranks share the reading and together check every file; a file a rank's
     load needs from another share is read and checked when it is needed
-    (``VerifiedFileReader``). The metadata is read while the data files are
+    (``VerifiedFileReader``). The metadata is unpickled while the data files are
     hashed (xxh3 releases the GIL). Raises what ``verify_checkpoint`` and
     ``read_dcp_metadata`` raise; a damaged file before anything the metadata says.
     """
@@ -196,7 +223,7 @@ def verified_checkpoint(
     with concurrent.futures.ThreadPoolExecutor(1, "stalwart-verify") as pool:
         checked = pool.submit(files.verify, share)
         try:
-            metadata = read_dcp_metadata(path)
+            metadata = files.metadata() if _METADATA in listed else read_dcp_metadata(path)
         finally:
             # A damaged file is the reason given, before anything the metadata said.
             checked.result()
@@ -274,6 +301,19 @@ class VerifiedFileReader(SafeFileSystemReader):
             tensor = decode_tensor(blob, *expected)
         if tensor is None:
             tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            if expected is not None and not (
+                isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == expected[1]
+            ):
+                held_what = (
+                    f"shape {list(tensor.shape)}"
+                    if isinstance(tensor, torch.Tensor)
+                    else type(tensor).__name__
+                )
+                raise CheckpointCorruptError(
+                    f"{self.path}: item {item.storage_index.fqn!r} holds {held_what}, the DCP "
+                    f"metadata records shape {list(expected[1])}; the DCP metadata is damaged",
+                    path=os.fspath(self.path),
+                )
         else:
             self.decoded += 1
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)

@@ -15,8 +15,9 @@ every rank, each agreed across ranks (a failure on one rank fails all)::
 
 or ``plan.discard()`` when the restore stops before ``apply``. This protocol
 is the whole of that surface: a plan holds what it computed from the live
-objects (a state dict that costs an optimizer step to build) and reuses it
-from ``check`` to ``apply``, so it is computed once per restore.
+objects (a state dict, for which a fresh optimizer is given its state from the
+checkpoint's metadata, ``stalwart.state.optim_state``) and reuses it from
+``check`` to ``apply``, so it is computed once per restore.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ arithmetic over every parameter, a third of a restore's time in one profile.
 A restore does not need those values, only tensors of the right shape, dtype
 and placement for DCP to read the saved ones into. The checkpoint's metadata
 names every saved state entry (``<section>.state.<fqn>.<name>``) with its global
-shape and dtype, which is enough to build them: zeros shaped like the parameter
-(a sharded parameter gives a sharded state, ``zeros_like`` keeps its placement)
-and scalars such as Adam's ``step``.
+shape and dtype, which is enough to build them: uninitialised tensors shaped like
+the parameter (a sharded parameter gives a sharded state, ``empty_like`` keeps its
+placement; DCP reads every one of them, as each is a saved entry) and zero
+scalars such as Adam's ``step``.
 """
 
 from __future__ import annotations
@@ -34,16 +35,20 @@ def materialise_optimizer_state(
     section: str,
 ) -> bool:
     """Give ``optimizer`` (empty, over parameters of ``module``) the state ``metadata``
-    records under ``section`` (``optimizer``, ``optimizer.G``, ...), as zeros.
+    records under ``section`` (``optimizer``, ``optimizer.G``, ...), unfilled: the
+    restore reads the saved values into it.
 
     Returns True when the state was built; False, with ``optimizer`` left empty,
-    when some saved entry is not a tensor shaped like its parameter or a scalar
-    (an optimizer of another kind, a shape that differs): then DCP's own
+    when the saved param groups name other hyperparameters (an optimizer of
+    another kind) or some saved entry is not a tensor shaped like its parameter
+    or a scalar (a shape that differs): then DCP's own
     initialisation runs, and the restore's shape check names any difference.
     Parameters the checkpoint has no state for get none, as before their first
     step. Call from the restoring thread, before the live state dict is built.
     """
     assert not optimizer.state, "only an optimizer without state is materialised"
+    if not _same_kind(optimizer, metadata, f"{section}.param_groups."):
+        return False
     entries = _saved_entries(metadata, f"{section}.state.")
     names = {id(p): name for name, p in module.named_parameters()}
     built: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
@@ -66,6 +71,22 @@ def materialise_optimizer_state(
     for param, state in built.items():
         optimizer.state[param] = state
     return True
+
+
+def _same_kind(optimizer: torch.optim.Optimizer, metadata: Metadata, prefix: str) -> bool:
+    """Whether the saved param groups have the hyperparameters ``optimizer``'s have.
+
+    The state entries of an optimizer of another kind (SGD's ``momentum_buffer``
+    for an Adam) are no state this one can step from: only its own step knows
+    what it needs, and the restore's key check then names the difference.
+    """
+    saved = {
+        key[len(prefix) :].split(".")[1]  # <group>.<name>[.<item of a tuple>]
+        for key in metadata.state_dict_metadata
+        if key.startswith(prefix) and key.count(".", len(prefix)) >= 1
+    }
+    live = {key for group in optimizer.param_groups for key in group}
+    return saved == live
 
 
 def _saved_entries(metadata: Metadata, prefix: str) -> dict[str, dict[str, Any]]:

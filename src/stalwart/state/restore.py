@@ -59,10 +59,9 @@ class TrainStatePlan:
         self.strict = strict
         self._live: dict[str, Any] | None = None
         # Optimizers without state before the plan touched them: building the
-        # live state dict gives them state (zeros, or a zero-lr step's), undone by discard.
+        # live state dict gives them state (from the metadata, or by DCP's zero-lr
+        # step), undone by discard.
         self._fresh = [opt for opt in state.optimizers if not opt.state]
-        self.materialised = 0
-        """Fresh optimizers given their state from the metadata (the rest took DCP's step)."""
 
     def staged(self) -> dict[str, Any]:
         """Placeholders for every non-module, non-optimizer entry of the checkpoint.
@@ -132,9 +131,7 @@ class TrainStatePlan:
                 for opt in unit.optimizers:
                     if opt in self._fresh and unit.optim_path is not None:
                         section = ".".join(unit.optim_path)
-                        self.materialised += materialise_optimizer_state(
-                            unit.module, opt, self.metadata, section
-                        )
+                        materialise_optimizer_state(unit.module, opt, self.metadata, section)
                 unit.live(tree)
             self._live = tree
         return self._live
