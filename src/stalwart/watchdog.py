@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import math
 import os
 import threading
 import time
@@ -181,7 +182,9 @@ class Watchdog:
 
 
 def _positive(name: str, value: object, *, zero: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    # Finite too: an infinite timeout never fires, and an infinite grace overflows the
+    # timer that must end the process.
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or not (value >= 0 if zero else value > 0):  # type: ignore[operator]
         bound = ">= 0" if zero else "> 0"
         raise ValueError(f"{name} must be a number of seconds {bound}, got {value!r}")
