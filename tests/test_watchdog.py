@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -142,6 +143,12 @@ def test_an_explicit_heartbeat_counts(tmp_path: Path) -> None:
         ({"timeout": 0}, "timeout must be a number of seconds > 0, got 0"),
         ({"timeout": 5, "grace": -1}, "grace must be a number of seconds >= 0"),
         ({"timeout": 5, "exit_code": 0}, "exit_code must be an int in 1..255"),
+        ({"timeout": -1.0}, "timeout must be a number of seconds > 0, got -1.0"),
+        ({"timeout": math.nan}, "timeout must be a number of seconds > 0, got nan"),
+        ({"timeout": math.inf}, "timeout must be a number of seconds > 0, got inf"),
+        ({"timeout": "5"}, "timeout must be a number of seconds > 0, got '5'"),
+        ({"timeout": 5, "grace": math.inf}, "grace must be a number of seconds >= 0"),
+        ({"timeout": 5, "poll": math.nan}, "poll must be a number of seconds > 0"),
     ],
 )
 def test_bad_settings_name_the_field(tmp_path: Path, kwargs: dict, fragment: str) -> None:
@@ -166,6 +173,36 @@ def test_ls_shows_where_the_watchdog_left_the_stacks(
     line = next(x for x in out.splitlines() if x.startswith("watchdog at step 1: "))
     assert "rank 0 made no progress for " in line
     assert line.endswith(f"after step 1 (timeout 0.2 s); stacks in watchdog/{stacks.name}")
+
+
+def test_a_watchdog_folder_that_links_out_of_the_run_is_not_written_through(
+    tmp_path: Path,
+) -> None:
+    """The run directory is input from outside: ``watchdog/`` as a symlink must not redirect the dump."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    run.mkdir()
+    (run / WATCHDOG_DIR).symlink_to(outside, target_is_directory=True)
+    with stalwart.CheckpointManager(run) as ckpt:
+        with stalwart.Watchdog(ckpt, timeout=0.2, exit_code=None, poll=0.02) as dog:
+            time.sleep(1.0)
+    assert list(outside.iterdir()) == [] and dog.fired == []
+    (event,) = watchdog_events(run)  # the firing is still recorded, without stacks
+    assert event["stacks"] is None
+
+
+def test_two_watchdogs_on_one_manager_and_a_heartbeat_after_close(tmp_path: Path) -> None:
+    with stalwart.CheckpointManager(tmp_path / "run") as ckpt:
+        first = stalwart.Watchdog(ckpt, timeout=0.3, exit_code=None, poll=0.02)
+        second = stalwart.Watchdog(ckpt, timeout=0.3, exit_code=None, poll=0.02)
+        assert ckpt.heartbeats == [first.heartbeat, second.heartbeat]
+        first.close()
+        first.heartbeat(3)  # harmless: nothing watches any more
+        first.close()  # idempotent
+        assert ckpt.heartbeats == [second.heartbeat]
+        time.sleep(0.8)
+        second.close()
+    assert first.fired == [] and len(second.fired) == 1
 
 
 def test_the_operations_guide_example_runs(tmp_path: Path) -> None:

@@ -145,8 +145,16 @@ class Watchdog:
         path = folder / f"rank{self.rank:05d}-{time.time_ns()}.txt"
         try:
             folder.mkdir(exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            with os.fdopen(os.open(path, flags, 0o644), "w") as f:
+            # The run directory is input from outside: ``watchdog`` as a link would send the
+            # dump anywhere, so the folder is opened without following one and the file is
+            # created inside that very folder.
+            where = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(path.name, flags, 0o644, dir_fd=where)
+            finally:
+                os.close(where)
+            with os.fdopen(fd, "w") as f:
                 f.write(
                     f"stalwart watchdog: rank {self.rank} (pid {os.getpid()}) made no progress "
                     f"for {silent:.1f} s (timeout {self.timeout:g} s); last heartbeat at step "
