@@ -9,7 +9,9 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -278,6 +280,52 @@ def test_a_loss_that_is_not_a_scalar_is_refused(tmp_path: Path) -> None:
                 ValueError, match=r"loss must be a scalar, got a tensor of shape \(2,\)"
             ):
                 guard.check(1, torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        float,
+        torch.tensor,
+        lambda v: torch.tensor([v], dtype=torch.bfloat16, requires_grad=True),
+        np.float32,
+        np.float64,
+        np.array,
+    ],
+    ids=["float", "0-d tensor", "bf16 tensor with grad", "np.float32", "np.float64", "0-d ndarray"],
+)
+def test_every_kind_of_real_scalar_is_judged_alike(tmp_path: Path, make: Any) -> None:
+    """A loss is whatever the loop has at hand: the same values give the same decisions."""
+    parts = make_parts()
+    policy = stalwart.GuardPolicy(warmup=3, spike_factor=4.0, on_spike="skip")
+    with stalwart.CheckpointManager(tmp_path / "run") as ckpt:
+        with stalwart.Guard(ckpt, parts.state, policy) as guard:
+            actions = [
+                guard.check(s, make(v), make(1.0)).action
+                for s, v in enumerate([1.0, 1.0, 1.0, 8.0, math.nan, 1.0], start=1)
+            ]
+    assert actions == ["ok", "ok", "ok", "skip", "skip", "ok"]
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "fragment"),
+    [
+        (np.ones(2), ValueError, r"loss must be a scalar, got a numpy array of shape \(2,\)"),
+        (torch.tensor(True), TypeError, "loss must be a number or a scalar tensor, got bool"),
+        (np.bool_(True), TypeError, "loss must be a number or a scalar tensor, got bool"),
+        (torch.tensor(1 + 2j), TypeError, "got complex"),
+        ("0.5", TypeError, "got str"),
+    ],
+)
+def test_a_loss_that_is_not_a_real_scalar_is_refused(
+    tmp_path: Path, value: Any, error: type[Exception], fragment: str
+) -> None:
+    parts = make_parts()
+    with stalwart.CheckpointManager(tmp_path / "run") as ckpt:
+        with stalwart.Guard(ckpt, parts.state) as guard:
+            with pytest.raises(error, match=fragment):
+                guard.check(1, value)
+            assert guard.checks == 0
 
 
 def test_ls_and_report_show_the_rollback(

@@ -33,13 +33,12 @@ import bisect
 import dataclasses
 import logging
 import math
+import numbers
 import struct
 from collections import deque
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Literal
-
-import torch
 
 from stalwart.distributed import Coordinator
 from stalwart.errors import GuardLimitError
@@ -133,11 +132,14 @@ class GuardDecision:
 
 
 def _as_float(name: str, value: Any) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
-        return float(value.detach().float().item())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A loss or gradient norm as a float: a real number (numpy's included) or a one-element
+    tensor or numpy array of a real dtype, on any device."""
+    kind = {"Tensor": "tensor", "ndarray": "numpy array"}.get(type(value).__name__)
+    if kind is not None and hasattr(value, "item"):
+        if math.prod(value.shape) != 1:
+            raise ValueError(f"{name} must be a scalar, got a {kind} of shape {tuple(value.shape)}")
+        value = value.item()  # a bool or complex dtype comes out as such, refused below
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number or a scalar tensor, got {type(value).__name__}")
     return float(value)
 
