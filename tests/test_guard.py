@@ -18,7 +18,7 @@ import torch
 import stalwart
 from stalwart.events import read_events
 
-from .conftest import assert_same, cli, make_parts, seed_all
+from .conftest import assert_same, cli, flip_byte, make_parts, seed_all
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -198,6 +198,37 @@ def test_a_rollback_without_a_checkpoint_skips_the_step(tmp_path: Path) -> None:
     assert decision.action == "skip"
     (event,) = guard_events(run)
     assert event["note"] == "no checkpoint to roll back to"
+
+
+def test_a_rollback_passes_over_a_corrupt_newest_checkpoint(tmp_path: Path) -> None:
+    """A rollback goes to the newest checkpoint that verifies, and the skipped window starts there."""
+    run = tmp_path / "run"
+    data = torch.utils.data.TensorDataset(torch.arange(40.0))
+    loader = stalwart.ResumableDataLoader(data, batch_size=2, shuffle=False)
+    parts = make_parts(data=loader)
+    policy = stalwart.GuardPolicy(on_nonfinite="rollback")
+    with stalwart.CheckpointManager(run) as ckpt, stalwart.Guard(ckpt, parts.state, policy) as g:
+        batches = loader.forever()
+        for step in range(1, 11):  # 2 samples a step: position 2 * step
+            next(batches)
+            if step in (4, 8):
+                ckpt.save(step, parts.state, force=True)
+        flip_byte(run / "step_000000008" / "__0_0.distcp")
+        decision = g.check(11, math.nan)
+        assert (decision.action, decision.restored_step) == ("rollback", 4)
+        assert decision.skipped == {
+            "from": {"epoch": 0, "consumed": 8},
+            "to": {"epoch": 0, "consumed": 20},
+            "samples": 12,
+        }
+        assert next(loader.forever())[0].tolist() == [20.0, 21.0]
+        # With every checkpoint damaged, there is nothing to go back to: the step is skipped.
+        flip_byte(run / "step_000000004" / "__0_0.distcp")
+        decision = g.check(12, math.nan)
+        assert (decision.action, decision.restored_step) == ("skip", None)
+    skipped = [e["step"] for e in read_events(run) if e["event"] == "restore_skipped"]
+    assert skipped == [8, 4]
+    assert [e["action"] for e in guard_events(run)] == ["rollback", "skip"]
 
 
 def test_spikes_are_not_judged_before_the_warmup(tmp_path: Path) -> None:
