@@ -293,6 +293,11 @@ def test_a_rollback_after_a_resume_does_not_read_as_a_divergence(tmp_path: Path)
     [
         ("on_spike", "ignore", "on_spike must be 'skip' or 'rollback'"),
         ("spike_factor", 1.0, "spike_factor must be a number above 1"),
+        ("spike_factor", -4.0, "spike_factor must be a number above 1"),
+        ("spike_factor", math.nan, "spike_factor must be a number above 1"),
+        ("spike_factor", math.inf, "spike_factor must be a number above 1"),
+        ("spike_factor", 10**400, "spike_factor must be a number above 1"),  # overflowed in check
+        ("spike_factor", "4", "spike_factor must be a number above 1"),
         ("window", 0, "window must be an int >= 1"),
         ("max_rollbacks", -1, "max_rollbacks must be an int >= 0"),
         ("warmup", 500, "warmup (500) cannot exceed window (100)"),

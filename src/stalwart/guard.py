@@ -86,9 +86,7 @@ class GuardPolicy:
             if value not in _ACTIONS:
                 raise ValueError(f"{name} must be 'skip' or 'rollback', got {value!r}")
         factor = self.spike_factor
-        if factor is not None and not (
-            isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1
-        ):
+        if factor is not None and not (_finite(factor) and factor > 1):
             raise ValueError(
                 f"spike_factor must be a number above 1 (or None to turn spike detection off), "
                 f"got {factor!r}"
@@ -108,6 +106,16 @@ class GuardPolicy:
                 f"warmup ({self.warmup}) cannot exceed window ({self.window}): the median never "
                 f"holds more than window losses; lower warmup or raise window"
             )
+
+
+def _finite(value: Any) -> bool:
+    """A real number that ``check`` can multiply by a float (not inf, NaN or an int past float's range)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
