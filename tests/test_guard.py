@@ -308,6 +308,14 @@ def test_a_bad_policy_names_the_field(field: str, value: object, fragment: str) 
         stalwart.GuardPolicy(**{field: value})
 
 
+@pytest.mark.parametrize("timeout", [0, -1.0, math.nan, math.inf, "600"])
+def test_a_bad_timeout_is_refused_before_any_group_is_made(tmp_path: Path, timeout: Any) -> None:
+    parts = make_parts()
+    with stalwart.CheckpointManager(tmp_path / "run") as ckpt:
+        with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+            stalwart.Guard(ckpt, parts.state, timeout=timeout)
+
+
 def test_a_loss_that_is_not_a_scalar_is_refused(tmp_path: Path) -> None:
     parts = make_parts()
     with stalwart.CheckpointManager(tmp_path / "run") as ckpt:

@@ -205,6 +205,10 @@ class Guard:
         self.policy = policy if policy is not None else GuardPolicy()
         if not isinstance(self.policy, GuardPolicy):
             raise TypeError(f"policy must be a stalwart.GuardPolicy, got {type(policy).__name__}")
+        if not (_finite(timeout) and timeout > 0):
+            # Checked on every rank before the collective group creation, which would
+            # otherwise fail on it (timedelta) or, alone, never see it.
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.ckpt, self.state = ckpt, state
         self._coord = Coordinator.create(ckpt.process_group, timeout=timeout, name="guard")
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
