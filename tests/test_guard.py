@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +13,9 @@ import torch
 
 import stalwart
 from stalwart.events import read_events
+from tests.support.docs import run_section_example
 
 from .conftest import assert_same, cli, flip_byte, make_parts, seed_all
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 class Poisoned(torch.utils.data.Dataset):
@@ -398,20 +393,7 @@ def test_ls_and_report_show_the_rollback(
 
 
 def test_the_operations_guide_example_runs(tmp_path: Path) -> None:
-    text = (REPO / "docs" / "operations.md").read_text()
-    section = text.split("## NaN and loss spikes", 1)[1].split("\n## ", 1)[0]
-    (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    script = tmp_path / "example.py"
-    script.write_text(example)
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-W", "error", "-W", "ignore::DeprecationWarning", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=env,
-    )
+    proc = run_section_example(tmp_path, "operations.md", "NaN and loss spikes")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "1 rollback(s), 0 skip(s)"
     (event,) = guard_events(tmp_path / "runs" / "guarded")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import torch
 import stalwart
 from stalwart.events import read_events
 from stalwart.layout import WATCHDOG_DIR
+from tests.support.docs import run_section_example
 
 from .conftest import cli
 
@@ -206,20 +206,7 @@ def test_two_watchdogs_on_one_manager_and_a_heartbeat_after_close(tmp_path: Path
 
 
 def test_the_operations_guide_example_runs(tmp_path: Path) -> None:
-    text = (REPO / "docs" / "operations.md").read_text()
-    section = text.split("## Hangs", 1)[1].split("\n## ", 1)[0]
-    (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    script = tmp_path / "example.py"
-    script.write_text(example)
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-W", "error", "-W", "ignore::DeprecationWarning", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=env,
-    )
+    proc = run_section_example(tmp_path, "operations.md", "Hangs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "watched"
     assert sorted(p.name for p in run.glob("step_*")) == [f"step_{s:09d}" for s in (10, 20, 30)]
