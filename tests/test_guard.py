@@ -392,6 +392,40 @@ def test_ls_and_report_show_the_rollback(
     assert [r["resume"] for r in summary["restores"]] == ["rollback (guard)"]
 
 
+def test_ls_and_report_survive_crafted_incident_events(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """events.jsonl is input from outside: any JSON in an incident's fields still gives a line."""
+    run = tmp_path / "run"
+    parts = make_parts()
+    with stalwart.CheckpointManager(run) as ckpt:
+        ckpt.save(1, parts.state, force=True)
+    now = list(read_events(run))[-1]["time"]
+    crafted = [
+        {"action": "rollback", "restored_step": [1], "ranks": 5, "skipped": {"from": "x"}},
+        {"action": "rollback", "restored_step": 1, "skipped": "x", "note": {"a": 1},
+         "ranks": [{"reasons": 7, "rank": {}}, {"reasons": ["spike"], "median": "m"}]},
+        {"action": {"x": 1}, "step": "s", "ranks": [None, "r"]},
+    ]  # fmt: skip
+    with (run / "events.jsonl").open("a") as f:
+        for i, fields in enumerate(crafted):
+            f.write(json.dumps({"event": "guard", "time": now + i, **fields}) + "\n")
+        f.write(json.dumps({"event": "watchdog", "time": now, "stacks": [], "silent_s": {}}) + "\n")
+        f.write(json.dumps({"event": "guard_limit", "time": now, "message": 3}) + "\n")
+    code, out, _ = cli(capsys, "ls", run)
+    assert code == 0
+    assert (
+        sum(x.startswith(("guard at", "watchdog at", "guard_limit at")) for x in out.splitlines())
+        == 5
+    )
+    assert "rollback to step [1] (None); skipped samples from epoch None" in out
+    code, out, _ = cli(capsys, "ls", run, "--json")
+    assert code == 0
+    assert [i["restored_step"] for i in json.loads(out)["incidents"]][:2] == [None, 1]
+    code, out, _ = cli(capsys, "report", run, "--json", "--out", tmp_path / "report")
+    assert code == 0 and len(json.loads(out)["summary"]["problems"]) == 5
+
+
 def test_the_operations_guide_example_runs(tmp_path: Path) -> None:
     proc = run_section_example(tmp_path, "operations.md", "NaN and loss spikes")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -207,11 +207,16 @@ def _incidents(run: Path) -> list[dict[str, Any]]:
             "rank": r.get("rank"),
             "step": r.get("step"),
             "action": r.get("action"),
-            "restored_step": r.get("restored_step"),
+            "restored_step": _step_or_none(r.get("restored_step")),
             "message": describe_incident(r),
         }
         for r in records
     ]
+
+
+def _step_or_none(value: Any) -> int | None:
+    """A step number from an event, or None: events.jsonl is input from outside."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _resume_verdicts(run: Path) -> dict[int, Any]:
