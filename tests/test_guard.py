@@ -283,6 +283,23 @@ def test_a_rollback_after_a_resume_does_not_read_as_a_divergence(tmp_path: Path)
     assert events == ["resume_verified"]
 
 
+def test_a_rollback_to_a_step_this_attempt_saved_last_is_not_judged_as_a_resume(
+    tmp_path: Path,
+) -> None:
+    """The bad step right after a save rolls back to that save: still a rollback, not a resume.
+
+    Attempt 1 trained steps 1-18 and committed nothing; attempt 2 (no restore) saves step
+    15, and step 16 spikes. Its steps after the rollback read other data than attempt 1's
+    by design, so comparing them would report a divergence that is not one.
+    """
+    run = tmp_path / "run"
+    train(run, steps=18, every=100)
+    out = train(run, steps=30, bad=31, every=15)  # step 16 reads samples 30 and 31
+    assert [(d.action, d.step, d.restored_step) for d in out["decisions"]] == [("rollback", 16, 15)]
+    assert [e["event"] for e in read_events(run) if e["event"] == "resume_diverged"] == []
+    assert out["verdict"] is None or out["verdict"].event != "resume_diverged"
+
+
 @pytest.mark.parametrize(
     ("field", "value", "fragment"),
     [
