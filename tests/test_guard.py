@@ -429,18 +429,23 @@ def test_ls_and_report_survive_crafted_incident_events(
             f.write(json.dumps({"event": "guard", "time": now + i, **fields}) + "\n")
         f.write(json.dumps({"event": "watchdog", "time": now, "stacks": [], "silent_s": {}}) + "\n")
         f.write(json.dumps({"event": "guard_limit", "time": now, "message": 3}) + "\n")
+        f.write(json.dumps({"event": "guard", "time": 10**400, "action": "skip"}) + "\n")
     code, out, _ = cli(capsys, "ls", run)
     assert code == 0
     assert (
         sum(x.startswith(("guard at", "watchdog at", "guard_limit at")) for x in out.splitlines())
-        == 5
+        == 6
     )
     assert "rollback to step [1] (None); skipped samples from epoch None" in out
     code, out, _ = cli(capsys, "ls", run, "--json")
     assert code == 0
-    assert [i["restored_step"] for i in json.loads(out)["incidents"]][:2] == [None, 1]
+    incidents = json.loads(out)["incidents"]
+    assert [i["restored_step"] for i in incidents][:2] == [None, 1]
+    assert incidents[-1]["time"].startswith("invalid")
     code, out, _ = cli(capsys, "report", run, "--json", "--out", tmp_path / "report")
-    assert code == 0 and len(json.loads(out)["summary"]["problems"]) == 5
+    assert (
+        code == 0 and len(json.loads(out)["summary"]["problems"]) == 5
+    )  # a time no date can show is left out
 
 
 def test_the_operations_guide_example_runs(tmp_path: Path) -> None:

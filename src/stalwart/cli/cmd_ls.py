@@ -290,7 +290,8 @@ def _durable_summary(
 
 def _event_time(record: dict[str, Any]) -> str | None:
     when = record.get("time")
-    return iso_utc(float(when)) if isinstance(when, (int, float)) else None
+    # iso_utc, not float(): an int beyond floats in a crafted event must not stop ls.
+    return iso_utc(when) if isinstance(when, (int, float)) else None
 
 
 # ----------------------------------------------------------------- the durable tier
