@@ -347,8 +347,20 @@ def test_a_loss_that_is_not_a_scalar_is_refused(tmp_path: Path) -> None:
         np.float32,
         np.float64,
         np.array,
+        pytest.param(
+            lambda v: torch.tensor(v, device="cuda"),
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ),
     ],
-    ids=["float", "0-d tensor", "bf16 tensor with grad", "np.float32", "np.float64", "0-d ndarray"],
+    ids=[
+        "float",
+        "0-d tensor",
+        "bf16 tensor with grad",
+        "np.float32",
+        "np.float64",
+        "0-d ndarray",
+        "cuda tensor",
+    ],
 )
 def test_every_kind_of_real_scalar_is_judged_alike(tmp_path: Path, make: Any) -> None:
     """A loss is whatever the loop has at hand: the same values give the same decisions."""
