@@ -226,6 +226,20 @@ def test_a_rollback_passes_over_a_corrupt_newest_checkpoint(tmp_path: Path) -> N
     assert [e["action"] for e in guard_events(run)] == ["rollback", "skip"]
 
 
+def test_a_rollback_that_became_a_skip_counts_against_the_skip_limit(tmp_path: Path) -> None:
+    """Before the first checkpoint no rollback happens, so max_rollbacks must not stop the run."""
+    parts = make_parts()
+    policy = stalwart.GuardPolicy(on_nonfinite="rollback", max_rollbacks=1, max_skips=3)
+    with stalwart.CheckpointManager(tmp_path / "run") as ckpt:
+        with stalwart.Guard(ckpt, parts.state, policy) as guard:
+            assert [guard.check(s, math.nan).action for s in (1, 2, 3)] == ["skip"] * 3
+            with pytest.raises(stalwart.GuardLimitError, match="one skip more than max_skips=3"):
+                guard.check(4, math.nan)
+    assert guard.skips == 3 and guard.rollbacks == 0
+    (limit,) = guard_events(tmp_path / "run", "guard_limit")
+    assert (limit["action"], limit["step"]) == ("skip", 4)
+
+
 def test_spikes_are_not_judged_before_the_warmup(tmp_path: Path) -> None:
     parts = make_parts()
     policy = stalwart.GuardPolicy(warmup=3, spike_factor=2.0)

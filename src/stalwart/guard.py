@@ -358,7 +358,10 @@ class Guard:
         end = _position(data)
         restored = self.ckpt.restore(self.state)
         if restored is None:
-            # Nothing to go back to: not applying the step is all that is left to do.
+            # Nothing to go back to: not applying the step is all that is left to do. It is
+            # the skip limit's to count, not the rollback limit's (the ranks agree on None).
+            self._limits["rollback"].at.pop()
+            self._enforce_limit("skip", step, reason, ranks)
             self.skips += 1
             self._record("skip", step, reason, ranks, note="no checkpoint to roll back to")
             return GuardDecision("skip", step, reason)
