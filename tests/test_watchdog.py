@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import math
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -16,6 +16,7 @@ import torch
 import stalwart
 from stalwart.events import read_events
 from stalwart.layout import WATCHDOG_DIR
+from tests.support.docs import run_section_example
 
 from .conftest import cli
 
@@ -142,6 +143,12 @@ def test_an_explicit_heartbeat_counts(tmp_path: Path) -> None:
         ({"timeout": 0}, "timeout must be a number of seconds > 0, got 0"),
         ({"timeout": 5, "grace": -1}, "grace must be a number of seconds >= 0"),
         ({"timeout": 5, "exit_code": 0}, "exit_code must be an int in 1..255"),
+        ({"timeout": -1.0}, "timeout must be a number of seconds > 0, got -1.0"),
+        ({"timeout": math.nan}, "timeout must be a number of seconds > 0, got nan"),
+        ({"timeout": math.inf}, "timeout must be a number of seconds > 0, got inf"),
+        ({"timeout": "5"}, "timeout must be a number of seconds > 0, got '5'"),
+        ({"timeout": 5, "grace": math.inf}, "grace must be a number of seconds >= 0"),
+        ({"timeout": 5, "poll": math.nan}, "poll must be a number of seconds > 0"),
     ],
 )
 def test_bad_settings_name_the_field(tmp_path: Path, kwargs: dict, fragment: str) -> None:
@@ -168,21 +175,38 @@ def test_ls_shows_where_the_watchdog_left_the_stacks(
     assert line.endswith(f"after step 1 (timeout 0.2 s); stacks in watchdog/{stacks.name}")
 
 
+def test_a_watchdog_folder_that_links_out_of_the_run_is_not_written_through(
+    tmp_path: Path,
+) -> None:
+    """The run directory is input from outside: ``watchdog/`` as a symlink must not redirect the dump."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    run.mkdir()
+    (run / WATCHDOG_DIR).symlink_to(outside, target_is_directory=True)
+    with stalwart.CheckpointManager(run) as ckpt:
+        with stalwart.Watchdog(ckpt, timeout=0.2, exit_code=None, poll=0.02) as dog:
+            time.sleep(1.0)
+    assert list(outside.iterdir()) == [] and dog.fired == []
+    (event,) = watchdog_events(run)  # the firing is still recorded, without stacks
+    assert event["stacks"] is None
+
+
+def test_two_watchdogs_on_one_manager_and_a_heartbeat_after_close(tmp_path: Path) -> None:
+    with stalwart.CheckpointManager(tmp_path / "run") as ckpt:
+        first = stalwart.Watchdog(ckpt, timeout=0.3, exit_code=None, poll=0.02)
+        second = stalwart.Watchdog(ckpt, timeout=0.3, exit_code=None, poll=0.02)
+        assert ckpt.heartbeats == [first.heartbeat, second.heartbeat]
+        first.close()
+        first.heartbeat(3)  # harmless: nothing watches any more
+        first.close()  # idempotent
+        assert ckpt.heartbeats == [second.heartbeat]
+        time.sleep(0.8)
+        second.close()
+    assert first.fired == [] and len(second.fired) == 1
+
+
 def test_the_operations_guide_example_runs(tmp_path: Path) -> None:
-    text = (REPO / "docs" / "operations.md").read_text()
-    section = text.split("## Hangs", 1)[1].split("\n## ", 1)[0]
-    (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    script = tmp_path / "example.py"
-    script.write_text(example)
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-W", "error", "-W", "ignore::DeprecationWarning", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=env,
-    )
+    proc = run_section_example(tmp_path, "operations.md", "Hangs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "watched"
     assert sorted(p.name for p in run.glob("step_*")) == [f"step_{s:09d}" for s in (10, 20, 30)]

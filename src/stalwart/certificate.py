@@ -431,12 +431,12 @@ class Certificate:
         """Start verifying the steps after ``restored`` against the newest earlier attempt that ran them.
 
         A restore within this attempt after it restored once, or after it
-        recorded a step past ``restored``, is a deliberate rollback
+        recorded ``restored`` or a later step, is a deliberate rollback
         (``stalwart.Guard``), not a resume: the steps after it are trained on
         other data by design. Then only the steps up to ``restored`` still count
         for a comparison in progress, and no new one starts.
         """
-        if self._restored is not None or self._last_recorded > restored:
+        if self._restored is not None or self._last_recorded >= restored:
             self._expected = {s: fp for s, fp in self._expected.items() if s <= restored}
             self._last_expected = min(self._last_expected, restored)
             self._skip_reason = (

@@ -33,13 +33,12 @@ import bisect
 import dataclasses
 import logging
 import math
+import numbers
 import struct
 from collections import deque
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Literal
-
-import torch
 
 from stalwart.distributed import Coordinator
 from stalwart.errors import GuardLimitError
@@ -87,9 +86,7 @@ class GuardPolicy:
             if value not in _ACTIONS:
                 raise ValueError(f"{name} must be 'skip' or 'rollback', got {value!r}")
         factor = self.spike_factor
-        if factor is not None and not (
-            isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1
-        ):
+        if factor is not None and not (_finite(factor) and factor > 1):
             raise ValueError(
                 f"spike_factor must be a number above 1 (or None to turn spike detection off), "
                 f"got {factor!r}"
@@ -109,6 +106,16 @@ class GuardPolicy:
                 f"warmup ({self.warmup}) cannot exceed window ({self.window}): the median never "
                 f"holds more than window losses; lower warmup or raise window"
             )
+
+
+def _finite(value: Any) -> bool:
+    """A real number that ``check`` can multiply by a float (not inf, NaN or an int past float's range)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -133,11 +140,14 @@ class GuardDecision:
 
 
 def _as_float(name: str, value: Any) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
-        return float(value.detach().float().item())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A loss or gradient norm as a float: a real number (numpy's included) or a one-element
+    tensor or numpy array of a real dtype, on any device."""
+    kind = {"Tensor": "tensor", "ndarray": "numpy array"}.get(type(value).__name__)
+    if kind is not None and hasattr(value, "item"):
+        if math.prod(value.shape) != 1:
+            raise ValueError(f"{name} must be a scalar, got a {kind} of shape {tuple(value.shape)}")
+        value = value.item()  # a bool or complex dtype comes out as such, refused below
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number or a scalar tensor, got {type(value).__name__}")
     return float(value)
 
@@ -195,6 +205,10 @@ class Guard:
         self.policy = policy if policy is not None else GuardPolicy()
         if not isinstance(self.policy, GuardPolicy):
             raise TypeError(f"policy must be a stalwart.GuardPolicy, got {type(policy).__name__}")
+        if not (_finite(timeout) and timeout > 0):
+            # Checked on every rank before the collective group creation, which would
+            # otherwise fail on it (timedelta) or, alone, never see it.
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.ckpt, self.state = ckpt, state
         self._coord = Coordinator.create(ckpt.process_group, timeout=timeout, name="guard")
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
@@ -344,7 +358,10 @@ class Guard:
         end = _position(data)
         restored = self.ckpt.restore(self.state)
         if restored is None:
-            # Nothing to go back to: not applying the step is all that is left to do.
+            # Nothing to go back to: not applying the step is all that is left to do. It is
+            # the skip limit's to count, not the rollback limit's (the ranks agree on None).
+            self._limits["rollback"].at.pop()
+            self._enforce_limit("skip", step, reason, ranks)
             self.skips += 1
             self._record("skip", step, reason, ranks, note="no checkpoint to roll back to")
             return GuardDecision("skip", step, reason)

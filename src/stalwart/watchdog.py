@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import math
 import os
 import threading
 import time
@@ -144,8 +145,16 @@ class Watchdog:
         path = folder / f"rank{self.rank:05d}-{time.time_ns()}.txt"
         try:
             folder.mkdir(exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            with os.fdopen(os.open(path, flags, 0o644), "w") as f:
+            # The run directory is input from outside: ``watchdog`` as a link would send the
+            # dump anywhere, so the folder is opened without following one and the file is
+            # created inside that very folder.
+            where = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(path.name, flags, 0o644, dir_fd=where)
+            finally:
+                os.close(where)
+            with os.fdopen(fd, "w") as f:
                 f.write(
                     f"stalwart watchdog: rank {self.rank} (pid {os.getpid()}) made no progress "
                     f"for {silent:.1f} s (timeout {self.timeout:g} s); last heartbeat at step "
@@ -181,7 +190,9 @@ class Watchdog:
 
 
 def _positive(name: str, value: object, *, zero: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    # Finite too: an infinite timeout never fires, and an infinite grace overflows the
+    # timer that must end the process.
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or not (value >= 0 if zero else value > 0):  # type: ignore[operator]
         bound = ">= 0" if zero else "> 0"
         raise ValueError(f"{name} must be a number of seconds {bound}, got {value!r}")

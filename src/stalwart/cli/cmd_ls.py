@@ -207,11 +207,16 @@ def _incidents(run: Path) -> list[dict[str, Any]]:
             "rank": r.get("rank"),
             "step": r.get("step"),
             "action": r.get("action"),
-            "restored_step": r.get("restored_step"),
+            "restored_step": _step_or_none(r.get("restored_step")),
             "message": describe_incident(r),
         }
         for r in records
     ]
+
+
+def _step_or_none(value: Any) -> int | None:
+    """A step number from an event, or None: events.jsonl is input from outside."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _resume_verdicts(run: Path) -> dict[int, Any]:
@@ -285,7 +290,8 @@ def _durable_summary(
 
 def _event_time(record: dict[str, Any]) -> str | None:
     when = record.get("time")
-    return iso_utc(float(when)) if isinstance(when, (int, float)) else None
+    # iso_utc, not float(): an int beyond floats in a crafted event must not stop ls.
+    return iso_utc(when) if isinstance(when, (int, float)) else None
 
 
 # ----------------------------------------------------------------- the durable tier

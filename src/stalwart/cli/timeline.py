@@ -55,25 +55,38 @@ def _value(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def _mapping(value: Any) -> dict[str, Any]:
+    """``value`` when it is a dict, else an empty one: events.jsonl is input from outside."""
+    return value if isinstance(value, dict) else {}
+
+
+def _items(value: Any) -> list[Any]:
+    """``value`` when it is a list, else an empty one: events.jsonl is input from outside."""
+    return value if isinstance(value, list) else []
+
+
 def _culprits(record: dict[str, Any]) -> str:
     """``nonfinite_loss on rank 1: loss nan`` for each rank the guard's event names."""
     parts = []
-    for r in record.get("ranks") or []:
+    for r in _items(record.get("ranks")):
         if not isinstance(r, dict):
             continue
+        reasons = _items(r.get("reasons"))
         values = f"loss {_value(r.get('loss'))}"
         if r.get("grad_norm") is not None:
             values += f", grad norm {_value(r.get('grad_norm'))}"
-        if "spike" in (r.get("reasons") or []) and r.get("median") is not None:
+        if "spike" in reasons and r.get("median") is not None:
             values += f" vs median {_value(r.get('median'))}"
-        parts.append(
-            f"{'/'.join(map(str, r.get('reasons') or []))} on rank {r.get('rank')}: {values}"
-        )
+        parts.append(f"{'/'.join(map(str, reasons))} on rank {r.get('rank')}: {values}")
     return "; ".join(parts) or str(record.get("reason"))
 
 
 def describe_incident(record: dict[str, Any]) -> str:
-    """One line for a ``guard``, ``guard_limit`` or ``watchdog`` event, as ``ls`` and ``report`` show it."""
+    """One line for a ``guard``, ``guard_limit`` or ``watchdog`` event, as ``ls`` and ``report`` show it.
+
+    Any JSON value in any field gives a line (a crafted or garbled event must
+    not stop ``ls``): a field of the wrong type reads as missing.
+    """
     event = record.get("event")
     if event == "watchdog":
         stacks = record.get("stacks")
@@ -91,7 +104,7 @@ def describe_incident(record: dict[str, Any]) -> str:
         line = f"rollback to step {record.get('restored_step')} ({_culprits(record)})"
         skipped = record.get("skipped")
         if isinstance(skipped, dict):
-            start, end = skipped.get("from") or {}, skipped.get("to") or {}
+            start, end = _mapping(skipped.get("from")), _mapping(skipped.get("to"))
             line += (
                 f"; skipped samples from epoch {start.get('epoch')} position "
                 f"{start.get('consumed')} to epoch {end.get('epoch')} position {end.get('consumed')}"
