@@ -30,6 +30,12 @@ def test_auto_needs_a_positive_mtbf():
         SavePolicy(every_steps="auto", mtbf_seconds=-1)
 
 
+@pytest.mark.parametrize("mtbf", [float("inf"), float("nan"), 0, True])
+def test_auto_refuses_a_non_finite_mtbf_at_construction_not_at_the_second_save(tmp_path, mtbf):
+    with pytest.raises(ValueError, match=r"needs mtbf_seconds="):
+        stalwart.CheckpointManager(tmp_path, every_steps="auto", mtbf_seconds=mtbf)
+
+
 def test_mtbf_without_auto_and_auto_with_every_seconds_are_refused():
     with pytest.raises(ValueError, match="only with every_steps='auto'"):
         SavePolicy(every_steps=10, mtbf_seconds=3600)

@@ -86,7 +86,7 @@ def test_save_times_keep_the_worst_recent_save_and_the_mean_stall():
     assert sorted(times.committed) == list(range(3, 3 + SaveTimes.WINDOW))
 
 
-@pytest.mark.parametrize("grace", [0, -1.0, "30", True])
+@pytest.mark.parametrize("grace", [0, -1.0, "30", True, float("nan"), float("inf")])
 def test_grace_seconds_must_be_a_positive_number(tmp_path, grace):
     with pytest.raises(ValueError, match=r"grace_seconds must be .* got"):
         stalwart.CheckpointManager(tmp_path, grace_seconds=grace)

@@ -34,6 +34,7 @@ import collections
 import dataclasses
 import enum
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -184,11 +185,12 @@ def check_grace(grace_seconds: float | None) -> float | None:
     if (
         isinstance(grace_seconds, bool)
         or not isinstance(grace_seconds, (int, float))
-        or not grace_seconds > 0
+        or not (grace_seconds > 0 and math.isfinite(grace_seconds))
     ):
         raise ValueError(
-            "grace_seconds must be the positive number of seconds between the preemption "
-            f"signal and SIGKILL (30 under torchrun), or None, got {grace_seconds!r}"
+            "grace_seconds must be the positive, finite number of seconds between the "
+            "preemption signal and SIGKILL (30 under torchrun), or None (no window), "
+            f"got {grace_seconds!r}"
         )
     return float(grace_seconds)
 
