@@ -9,6 +9,7 @@ where the next run resumes.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from stalwart.events import read_events
 from stalwart.preemption import MARGIN_S, SAFETY, GraceAction, SaveTimes, plan
 
 from .conftest import make_parts
+from .distributed.preemption_worker import SlowCommit
 
 SCRIPT = Path(__file__).parent / "distributed" / "preemption_worker.py"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -92,18 +94,74 @@ def test_grace_seconds_must_be_a_positive_number(tmp_path, grace):
         stalwart.CheckpointManager(tmp_path, grace_seconds=grace)
 
 
-def test_a_signal_is_handled_by_the_next_save_in_process(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_is_handled_by_the_next_save_in_process(tmp_path, signum):
     """In-process: the measured save times feed the decision; a long window saves."""
     p = make_parts()
     with stalwart.CheckpointManager(tmp_path, every_steps=2, grace_seconds=60) as ckpt:
         assert ckpt.save(2, p.state)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
         assert not ckpt.preempted
         assert ckpt.save(3, p.state)
         assert ckpt.preempted
     (event,) = events_of(tmp_path, "preemption")
     assert event["action"] == "save" and event["step"] == 3
     assert event["save_estimate_s"] is not None and event["time_left_s"] <= 60
+
+
+def test_a_signal_before_any_save_was_measured_tries_the_full_save(tmp_path):
+    """Nothing measured, a tiny window: the full save is tried (nothing to lose on disk)."""
+    p = make_parts()
+    with stalwart.CheckpointManager(tmp_path, every_steps=100, grace_seconds=0.001) as ckpt:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the window is already over
+        assert ckpt.save(1, p.state) and ckpt.preempted
+    (event,) = events_of(tmp_path, "preemption")
+    assert event["action"] == "save" and event["save_estimate_s"] is None
+    assert "no save measured yet" in event["reason"] and event["time_left_s"] < 0
+    assert committed(tmp_path) == [1]
+
+
+class TermDuringCommit(SlowCommit):
+    """Sends this process a second SIGTERM while the (emergency) checkpoint commits."""
+
+    def commit(self, staging: Path, step: int, manifest_json: str) -> Path:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return super().commit(staging, step, manifest_json)
+
+
+def test_a_second_sigterm_during_the_emergency_save_neither_kills_nor_repeats_it(tmp_path):
+    p = make_parts()
+    slow = TermDuringCommit(str(tmp_path), 0.05)
+    with stalwart.CheckpointManager(
+        tmp_path, every_steps=100, grace_seconds=30, storage=slow
+    ) as ckpt:
+        os.kill(os.getpid(), signal.SIGTERM)
+        arrived = ckpt._signals.arrived
+        assert ckpt.save(1, p.state) and ckpt.preempted  # the handler took the second one
+        assert ckpt._signals.arrived == arrived  # the window still runs from the first
+    (event,) = events_of(tmp_path, "preemption")
+    assert event["step"] == 1
+    assert [e["step"] for e in events_of(tmp_path, "save")] == [1]
+    assert committed(tmp_path) == [1]
+
+
+_INIT_MARK = multiprocessing.Value("i", 0)
+
+
+def mark_worker(worker_id: int) -> None:
+    with _INIT_MARK.get_lock():
+        _INIT_MARK.value += 1 + worker_id
+
+
+def test_the_users_worker_init_fn_still_runs_in_every_shielded_worker():
+    _INIT_MARK.value = 0
+    loader = stalwart.ResumableDataLoader(
+        list(range(8)), batch_size=2, shuffle=False, seed=0, num_workers=2,
+        worker_init_fn=mark_worker, multiprocessing_context="fork",
+    )  # fmt: skip
+    assert sum(len(b) for b in loader) == 8
+    assert _INIT_MARK.value == 1 + 2  # workers 0 and 1 both ran it
 
 
 # ------------------------------------------------------------------ real processes
@@ -141,14 +199,20 @@ def test_sigterm_with_a_grace_longer_than_a_save_writes_the_emergency_checkpoint
 
 
 def test_async_grace_that_fits_the_inflight_write_but_not_a_save_flushes_it(tmp_path):
-    """The write of step 4 is in flight at the signal: it is finished, step 5 is not saved."""
+    """The write of step 4 is in flight at the signal: it is finished, step 5 is not saved.
+
+    A commit of D = 2 s and a window of 2 D: the flush (~D, needs 1.25 D + 0.25) and
+    flush plus save (~2 D, needs 2.5 D + 0.25) are each about 1 s away from the window,
+    so a slow write or a slow step on a loaded machine does not change the decision.
+    """
     run = tmp_path / "run"
-    args = ["--every", "1", "--async-save", "--commit-delay", "1.0", "--grace", "2.0"]
+    args = ["--every", "1", "--async-save", "--commit-delay", "2.0", "--grace", "4.0"]
     proc = run_script(run, *args, "--steps", "8", "--term-after-step", "4")
     assert proc.returncode == 143, proc.stdout + proc.stderr[-3000:]
     (event,) = events_of(run, "preemption")
     assert event["action"] == "flush" and event["step"] == 5, event
     assert event["in_flight"] and event["last_saved_step"] == 4
+    assert event["save_estimate_s"] >= 2.0 and event["time_left_s"] <= 4.0
     assert not events_of(run, "preemption_skipped")
     assert committed(run) == [1, 2, 3, 4]
 
