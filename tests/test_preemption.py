@@ -122,6 +122,20 @@ def test_a_signal_before_any_save_was_measured_tries_the_full_save(tmp_path):
     assert committed(tmp_path) == [1]
 
 
+def test_the_most_cautious_vote_wins_and_the_event_says_another_rank_chose_it(tmp_path):
+    """Ranks all-reduce their ``GraceAction`` with max: a skip anywhere skips everywhere."""
+    assert GraceAction.SAVE < GraceAction.FLUSH < GraceAction.SKIP
+    p = make_parts()
+    with stalwart.CheckpointManager(tmp_path, every_steps=100, grace_seconds=60) as ckpt:
+        assert ckpt.save(1, p.state, force=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ckpt._grace.vote() == GraceAction.SAVE  # this rank alone would save
+        assert not ckpt._grace.carry_out(max(ckpt._grace.vote(), GraceAction.SKIP), 2)
+    (skipped,) = events_of(tmp_path, "preemption_skipped")
+    assert skipped["action"] == "skip" and skipped["reason"].startswith("another rank chose skip")
+    assert committed(tmp_path) == [1]
+
+
 class TermDuringCommit(SlowCommit):
     """Sends this process a second SIGTERM while the (emergency) checkpoint commits."""
 
