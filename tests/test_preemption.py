@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import pytest
 import stalwart
 from stalwart.events import read_events
 from stalwart.preemption import MARGIN_S, SAFETY, GraceAction, SaveTimes, plan
+from stalwart.signals import shielded_worker_init
 
 from .conftest import make_parts
 from .distributed.preemption_worker import SlowCommit
@@ -176,6 +178,26 @@ def test_the_users_worker_init_fn_still_runs_in_every_shielded_worker():
     )  # fmt: skip
     assert sum(len(b) for b in loader) == 8
     assert _INIT_MARK.value == 1 + 2  # workers 0 and 1 both ran it
+
+
+_SHIELD_THREADS = multiprocessing.Value("i", 0)
+
+
+def count_shields(worker_id: int) -> None:
+    shields = [t for t in threading.enumerate() if t.name == "stalwart-shield"]
+    with _SHIELD_THREADS.get_lock():
+        _SHIELD_THREADS.value = max(_SHIELD_THREADS.value, len(shields))
+
+
+def test_a_worker_shielded_twice_has_one_signal_reader():
+    """A plain loader's ``shielded_worker_init`` given to ``ResumableDataLoader`` (which shields too)."""
+    _SHIELD_THREADS.value = 0
+    loader = stalwart.ResumableDataLoader(
+        list(range(4)), batch_size=2, shuffle=False, seed=0, num_workers=1,
+        worker_init_fn=shielded_worker_init(count_shields), multiprocessing_context="fork",
+    )  # fmt: skip
+    assert sum(len(b) for b in loader) == 4
+    assert _SHIELD_THREADS.value == 1
 
 
 # ------------------------------------------------------------------ real processes

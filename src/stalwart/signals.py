@@ -38,6 +38,8 @@ PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 _INSTALLED: list[PreemptionSignals] = []
 """The handlers installed in this process now (a process has one set of signal handlers)."""
+_SHIELDED_PID: int | None = None
+"""The process ``shield_worker`` ran in (a forked worker inherits the value of its parent)."""
 
 
 def _signums() -> list[int]:
@@ -113,9 +115,14 @@ def shield_worker(worker_id: int = 0) -> None:
     at exit) ends the worker as before, by that signal; one from anywhere else
     (torchrun, SLURM, ``kill -- -PGID``) is ignored, so the rank keeps its
     batches until it has written its emergency checkpoint. The worker still
-    ends with its DataLoader, when its parent dies, and on SIGKILL.
+    ends with its DataLoader, when its parent dies, and on SIGKILL. A second
+    call in the same worker does nothing.
     """
     del worker_id  # the same for every worker
+    global _SHIELDED_PID
+    if os.getpid() == _SHIELDED_PID:
+        return  # shielded already (a ShieldedWorkerInit given to ResumableDataLoader)
+    _SHIELDED_PID = os.getpid()
     signums = _signums()
     parent = multiprocessing.parent_process()
     # spawn/forkserver: the process that started the worker, not the fork server.
