@@ -40,7 +40,7 @@ class SavePolicy:
             or self.every_steps < 1
         ):
             raise ValueError(
-                f"every_steps must be a positive integer or None, got {self.every_steps!r}"
+                f"every_steps must be a positive integer, 'auto' or None, got {self.every_steps!r}"
             )
         if self.every_seconds is not None and not (
             isinstance(self.every_seconds, (int, float)) and self.every_seconds > 0
