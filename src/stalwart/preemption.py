@@ -1,8 +1,8 @@
 """Preemption within its grace window: from measured save times to what the emergency save does.
 
 A preempted job gets a fixed time between SIGTERM and SIGKILL: torchrun waits
-30 s for its workers after forwarding the signal (fixed in torch 2.13's
-elastic agent), SLURM waits ``KillWait`` (default 30 s) after the signal of a
+30 s for its workers after forwarding the signal (``--shutdown-timeout`` or
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` in torch 2.13), SLURM waits ``KillWait`` (default 30 s) after the signal of a
 time limit or a preemption (``GraceTime`` of the partition's QOS, or
 ``--signal=TERM@<seconds>`` to be told earlier), Kubernetes
 ``terminationGracePeriodSeconds`` (default 30 s). A save that does not fit is
