@@ -2,10 +2,10 @@
 
 A preempted job gets a fixed time between SIGTERM and SIGKILL: torchrun waits
 30 s for its workers after forwarding the signal (``--shutdown-timeout`` or
-``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` in torch 2.13), SLURM waits ``KillWait`` (default 30 s) after the signal of a
-time limit or a preemption (``GraceTime`` of the partition's QOS, or
-``--signal=TERM@<seconds>`` to be told earlier), Kubernetes
-``terminationGracePeriodSeconds`` (default 30 s). A save that does not fit is
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` in torch 2.13), SLURM waits ``KillWait``
+(default 30 s) after the signal of a time limit or a preemption (``GraceTime``
+of the partition's QOS, or ``--signal=TERM@<seconds>`` to be told earlier),
+Kubernetes ``terminationGracePeriodSeconds`` (default 30 s). A save that does not fit is
 cut by SIGKILL: it costs nothing on disk (no manifest, no checkpoint) but it
 takes the time that an in-flight async write, or the upload of the last
 checkpoint, needed to finish.
