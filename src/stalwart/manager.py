@@ -90,10 +90,10 @@ class CheckpointManager:
             recorded in every manifest with a stable hash.
         process_group: the group to coordinate ranks on (None: the default group
             when torch.distributed is initialized).
-        handle_signals: on SIGTERM or SIGUSR1, set ``preempted`` and make the next
-            ``save`` write a checkpoint whatever the policy says (so a preempted
-            job loses nothing). The handlers are installed only in the main
-            thread and removed by ``close``. ``grace_seconds``: see ``stalwart.preemption``.
+        handle_signals: on SIGTERM or SIGUSR1, make the next ``save`` write a checkpoint
+            whatever the policy says and set ``preempted``; with ``grace_seconds`` only what
+            fits in that window (``stalwart.preemption``: save, flush or skip). The handlers
+            are installed only in the main thread and removed by ``close``.
         save_timeout: seconds a rank waits for the others in a checkpoint
             collective. A rank that died or hung makes every other rank's save
             fail with ``CheckpointSaveError`` after at most this long.
