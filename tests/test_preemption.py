@@ -162,6 +162,31 @@ def test_a_second_sigterm_during_the_emergency_save_neither_kills_nor_repeats_it
     assert committed(tmp_path) == [1]
 
 
+def test_two_managers_in_one_process_both_see_the_signal(tmp_path):
+    """The second manager's handlers replace the first's: both flags must still be set."""
+    p = make_parts()
+    with (
+        stalwart.CheckpointManager(tmp_path / "a", every_steps=100) as a,
+        stalwart.CheckpointManager(tmp_path / "b", every_steps=100) as b,
+    ):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert b.save(1, p.state) and b.preempted
+        assert a.save(1, p.state) and a.preempted
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_closing_the_first_of_two_managers_leaves_the_second_its_handlers(tmp_path):
+    """Closed out of order, the first must not put SIGTERM's default (death) back under the second."""
+    p = make_parts()
+    a = stalwart.CheckpointManager(tmp_path / "a", every_steps=100)
+    with stalwart.CheckpointManager(tmp_path / "b", every_steps=100) as b:
+        a.close()
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert b.save(1, p.state) and b.preempted
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 _INIT_MARK = multiprocessing.Value("i", 0)
 
 
