@@ -30,12 +30,18 @@ def test_auto_needs_a_positive_mtbf():
         SavePolicy(every_steps="auto", mtbf_seconds=-1)
 
 
+@pytest.mark.parametrize("mtbf", [float("inf"), float("nan"), 0, True])
+def test_auto_refuses_a_non_finite_mtbf_at_construction_not_at_the_second_save(tmp_path, mtbf):
+    with pytest.raises(ValueError, match=r"needs mtbf_seconds="):
+        stalwart.CheckpointManager(tmp_path, every_steps="auto", mtbf_seconds=mtbf)
+
+
 def test_mtbf_without_auto_and_auto_with_every_seconds_are_refused():
     with pytest.raises(ValueError, match="only with every_steps='auto'"):
         SavePolicy(every_steps=10, mtbf_seconds=3600)
     with pytest.raises(ValueError, match="drop every_seconds"):
         SavePolicy(every_steps="auto", every_seconds=5, mtbf_seconds=3600)
-    with pytest.raises(ValueError, match="every_steps must be a positive integer"):
+    with pytest.raises(ValueError, match=r"every_steps must be a positive integer, .auto. or"):
         SavePolicy(every_steps="often")  # type: ignore[arg-type]
 
 
@@ -43,6 +49,12 @@ def test_the_planner_uses_the_library_intervals():
     assert planner.daly_interval is daly_interval and planner.young_interval is young_interval
     assert young_interval(2.0, 100.0) == pytest.approx(20.0)
     assert daly_interval(2.0, 100.0) < young_interval(2.0, 100.0)
+
+
+def test_daly_interval_never_exceeds_the_mtbf():
+    """What the async test below relies on: tau <= M for every cost."""
+    for cost in (1e-6, 0.01, 0.1, 0.2, 0.49, 0.5, 1.0, 100.0):
+        assert 0 < daly_interval(cost, 0.25) <= 0.25, cost
 
 
 def timeline(run) -> tuple[list[dict], dict[int, dict]]:
@@ -54,12 +66,16 @@ def timeline(run) -> tuple[list[dict], dict[int, dict]]:
 
 
 def test_auto_async_starts_each_save_once_the_previous_one_is_committed(tmp_path):
-    """A short MTBF makes the Young/Daly bound tiny: the commit is what paces the saves."""
+    """A short MTBF makes the Young/Daly bound tiny: the commit is what paces the saves.
+
+    With M = 0.25 s, tau <= M whatever the measured stall (Daly), so tau stays below
+    the 0.3 s commit even when a loaded machine makes the staging copy slow.
+    """
     p = make_parts()
     slow = SlowCommit(str(tmp_path), 0.3)
     calls: dict[int, float] = {}
     with stalwart.CheckpointManager(
-        tmp_path, every_steps="auto", mtbf_seconds=1.0, async_save=True, storage=slow
+        tmp_path, every_steps="auto", mtbf_seconds=0.25, async_save=True, storage=slow
     ) as ckpt:
         for step in range(1, 41):
             train_steps(p, 1)

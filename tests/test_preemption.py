@@ -9,10 +9,12 @@ where the next run resumes.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,8 +23,10 @@ import pytest
 import stalwart
 from stalwart.events import read_events
 from stalwart.preemption import MARGIN_S, SAFETY, GraceAction, SaveTimes, plan
+from stalwart.signals import shielded_worker_init
 
 from .conftest import make_parts
+from .distributed.preemption_worker import SlowCommit
 
 SCRIPT = Path(__file__).parent / "distributed" / "preemption_worker.py"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -86,24 +90,139 @@ def test_save_times_keep_the_worst_recent_save_and_the_mean_stall():
     assert sorted(times.committed) == list(range(3, 3 + SaveTimes.WINDOW))
 
 
-@pytest.mark.parametrize("grace", [0, -1.0, "30", True])
+@pytest.mark.parametrize("grace", [0, -1.0, "30", True, float("nan"), float("inf")])
 def test_grace_seconds_must_be_a_positive_number(tmp_path, grace):
     with pytest.raises(ValueError, match=r"grace_seconds must be .* got"):
         stalwart.CheckpointManager(tmp_path, grace_seconds=grace)
 
 
-def test_a_signal_is_handled_by_the_next_save_in_process(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_is_handled_by_the_next_save_in_process(tmp_path, signum):
     """In-process: the measured save times feed the decision; a long window saves."""
     p = make_parts()
     with stalwart.CheckpointManager(tmp_path, every_steps=2, grace_seconds=60) as ckpt:
         assert ckpt.save(2, p.state)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
         assert not ckpt.preempted
         assert ckpt.save(3, p.state)
         assert ckpt.preempted
     (event,) = events_of(tmp_path, "preemption")
     assert event["action"] == "save" and event["step"] == 3
     assert event["save_estimate_s"] is not None and event["time_left_s"] <= 60
+
+
+def test_a_signal_before_any_save_was_measured_tries_the_full_save(tmp_path):
+    """Nothing measured, a tiny window: the full save is tried (nothing to lose on disk)."""
+    p = make_parts()
+    with stalwart.CheckpointManager(tmp_path, every_steps=100, grace_seconds=0.001) as ckpt:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the window is already over
+        assert ckpt.save(1, p.state) and ckpt.preempted
+    (event,) = events_of(tmp_path, "preemption")
+    assert event["action"] == "save" and event["save_estimate_s"] is None
+    assert "no save measured yet" in event["reason"] and event["time_left_s"] < 0
+    assert committed(tmp_path) == [1]
+
+
+def test_the_most_cautious_vote_wins_and_the_event_says_another_rank_chose_it(tmp_path):
+    """Ranks all-reduce their ``GraceAction`` with max: a skip anywhere skips everywhere."""
+    assert GraceAction.SAVE < GraceAction.FLUSH < GraceAction.SKIP
+    p = make_parts()
+    with stalwart.CheckpointManager(tmp_path, every_steps=100, grace_seconds=60) as ckpt:
+        assert ckpt.save(1, p.state, force=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ckpt._grace.vote() == GraceAction.SAVE  # this rank alone would save
+        assert not ckpt._grace.carry_out(max(ckpt._grace.vote(), GraceAction.SKIP), 2)
+    (skipped,) = events_of(tmp_path, "preemption_skipped")
+    assert skipped["action"] == "skip" and skipped["reason"].startswith("another rank chose skip")
+    assert committed(tmp_path) == [1]
+
+
+class TermDuringCommit(SlowCommit):
+    """Sends this process a second SIGTERM while the (emergency) checkpoint commits."""
+
+    def commit(self, staging: Path, step: int, manifest_json: str) -> Path:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return super().commit(staging, step, manifest_json)
+
+
+def test_a_second_sigterm_during_the_emergency_save_neither_kills_nor_repeats_it(tmp_path):
+    p = make_parts()
+    slow = TermDuringCommit(str(tmp_path), 0.05)
+    with stalwart.CheckpointManager(
+        tmp_path, every_steps=100, grace_seconds=30, storage=slow
+    ) as ckpt:
+        os.kill(os.getpid(), signal.SIGTERM)
+        arrived = ckpt._signals.arrived
+        assert ckpt.save(1, p.state) and ckpt.preempted  # the handler took the second one
+        assert ckpt._signals.arrived == arrived  # the window still runs from the first
+    (event,) = events_of(tmp_path, "preemption")
+    assert event["step"] == 1
+    assert [e["step"] for e in events_of(tmp_path, "save")] == [1]
+    assert committed(tmp_path) == [1]
+
+
+def test_two_managers_in_one_process_both_see_the_signal(tmp_path):
+    """The second manager's handlers replace the first's: both flags must still be set."""
+    p = make_parts()
+    with (
+        stalwart.CheckpointManager(tmp_path / "a", every_steps=100) as a,
+        stalwart.CheckpointManager(tmp_path / "b", every_steps=100) as b,
+    ):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert b.save(1, p.state) and b.preempted
+        assert a.save(1, p.state) and a.preempted
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_closing_the_first_of_two_managers_leaves_the_second_its_handlers(tmp_path):
+    """Closed out of order, the first must not put SIGTERM's default (death) back under the second."""
+    p = make_parts()
+    a = stalwart.CheckpointManager(tmp_path / "a", every_steps=100)
+    with stalwart.CheckpointManager(tmp_path / "b", every_steps=100) as b:
+        a.close()
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert b.save(1, p.state) and b.preempted
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+_INIT_MARK = multiprocessing.Value("i", 0)
+
+
+def mark_worker(worker_id: int) -> None:
+    with _INIT_MARK.get_lock():
+        _INIT_MARK.value += 1 + worker_id
+
+
+def test_the_users_worker_init_fn_still_runs_in_every_shielded_worker():
+    _INIT_MARK.value = 0
+    loader = stalwart.ResumableDataLoader(
+        list(range(8)), batch_size=2, shuffle=False, seed=0, num_workers=2,
+        worker_init_fn=mark_worker, multiprocessing_context="fork",
+    )  # fmt: skip
+    assert sum(len(b) for b in loader) == 8
+    assert _INIT_MARK.value == 1 + 2  # workers 0 and 1 both ran it
+
+
+_SHIELD_THREADS = multiprocessing.Value("i", 0)
+
+
+def count_shields(worker_id: int) -> None:
+    shields = [t for t in threading.enumerate() if t.name == "stalwart-shield"]
+    with _SHIELD_THREADS.get_lock():
+        _SHIELD_THREADS.value = max(_SHIELD_THREADS.value, len(shields))
+
+
+def test_a_worker_shielded_twice_has_one_signal_reader():
+    """A plain loader's ``shielded_worker_init`` given to ``ResumableDataLoader`` (which shields too)."""
+    _SHIELD_THREADS.value = 0
+    loader = stalwart.ResumableDataLoader(
+        list(range(4)), batch_size=2, shuffle=False, seed=0, num_workers=1,
+        worker_init_fn=shielded_worker_init(count_shields), multiprocessing_context="fork",
+    )  # fmt: skip
+    assert sum(len(b) for b in loader) == 4
+    assert _SHIELD_THREADS.value == 1
 
 
 # ------------------------------------------------------------------ real processes
@@ -141,14 +260,20 @@ def test_sigterm_with_a_grace_longer_than_a_save_writes_the_emergency_checkpoint
 
 
 def test_async_grace_that_fits_the_inflight_write_but_not_a_save_flushes_it(tmp_path):
-    """The write of step 4 is in flight at the signal: it is finished, step 5 is not saved."""
+    """The write of step 4 is in flight at the signal: it is finished, step 5 is not saved.
+
+    A commit of D = 2 s and a window of 2 D: the flush (~D, needs 1.25 D + 0.25) and
+    flush plus save (~2 D, needs 2.5 D + 0.25) are each about 1 s away from the window,
+    so a slow write or a slow step on a loaded machine does not change the decision.
+    """
     run = tmp_path / "run"
-    args = ["--every", "1", "--async-save", "--commit-delay", "1.0", "--grace", "2.0"]
+    args = ["--every", "1", "--async-save", "--commit-delay", "2.0", "--grace", "4.0"]
     proc = run_script(run, *args, "--steps", "8", "--term-after-step", "4")
     assert proc.returncode == 143, proc.stdout + proc.stderr[-3000:]
     (event,) = events_of(run, "preemption")
     assert event["action"] == "flush" and event["step"] == 5, event
     assert event["in_flight"] and event["last_saved_step"] == 4
+    assert event["save_estimate_s"] >= 2.0 and event["time_left_s"] <= 4.0
     assert not events_of(run, "preemption_skipped")
     assert committed(run) == [1, 2, 3, 4]
 

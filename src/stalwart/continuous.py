@@ -40,10 +40,11 @@ from stalwart.preemption import SaveTimes
 from stalwart.saving import SaveWriter
 from stalwart.staging import AsyncSaver
 
-__all__ = ["ContinuousSchedule", "daly_interval", "young_interval"]
+__all__ = ["ContinuousSchedule", "check_seconds", "daly_interval", "young_interval"]
 
 
-def _positive(**values: float) -> None:
+def check_seconds(**values: float) -> None:
+    """``ValueError`` naming the first of ``values`` that is not a positive, finite number."""
     for name, value in values.items():
         if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
             raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
@@ -55,7 +56,7 @@ def young_interval(cost: float, mtbf: float) -> float:
     ``cost`` C is the time one checkpoint blocks the job, ``mtbf`` M the job's
     mean time between failures; the result is compute time between checkpoints.
     """
-    _positive(cost=cost, mtbf=mtbf)
+    check_seconds(cost=cost, mtbf=mtbf)
     return math.sqrt(2.0 * cost * mtbf)
 
 
@@ -69,7 +70,7 @@ def daly_interval(cost: float, mtbf: float) -> float:
     >>> round(daly_interval(300, 86400) / 60, 1)  # C = 5 min, M = 24 h
     116.7
     """
-    _positive(cost=cost, mtbf=mtbf)
+    check_seconds(cost=cost, mtbf=mtbf)
     if cost >= 2.0 * mtbf:
         return mtbf
     x = cost / (2.0 * mtbf)

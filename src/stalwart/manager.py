@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from stalwart.certificate import Certificate, Verdict
 from stalwart.continuous import ContinuousSchedule
@@ -44,6 +44,15 @@ from stalwart.tiers import local_cache_dir as local_cache_dir  # its earlier hom
 __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger("stalwart")
+
+
+class _SaveVote(NamedTuple):
+    """This manager's part of a save's all-reduce (max over ranks); the certificate's flags follow."""
+
+    signalled: int
+    due: int
+    upload_failed: int
+    grace: int  # a ``GraceAction``: the most cautious emergency save wins
 
 
 class CheckpointManager:
@@ -81,10 +90,10 @@ class CheckpointManager:
             recorded in every manifest with a stable hash.
         process_group: the group to coordinate ranks on (None: the default group
             when torch.distributed is initialized).
-        handle_signals: on SIGTERM or SIGUSR1, set ``preempted`` and make the next
-            ``save`` write a checkpoint whatever the policy says (so a preempted
-            job loses nothing). The handlers are installed only in the main
-            thread and removed by ``close``. ``grace_seconds``: see ``stalwart.preemption``.
+        handle_signals: on SIGTERM or SIGUSR1, make the next ``save`` write a checkpoint
+            whatever the policy says and set ``preempted``; with ``grace_seconds`` only what
+            fits in that window (``stalwart.preemption``: save, flush or skip). The handlers
+            are installed only in the main thread and removed by ``close``.
         save_timeout: seconds a rank waits for the others in a checkpoint
             collective. A rank that died or hung makes every other rank's save
             fail with ``CheckpointSaveError`` after at most this long.
@@ -344,18 +353,18 @@ class CheckpointManager:
         try:
             # Collective 1 of a save, on every call: the save decision, preemption,
             # upload health and the resume certificate's progress in one all-reduce.
-            reduced = self._coord.max_ints(
+            mine = _SaveVote(
                 self._signals.is_set(),
                 due_here,
                 uploader is not None and uploader.failed,
                 self._grace.vote(),
-                *self._certificate.flags(),
             )
-            signalled, due, upload_failed = (bool(v) for v in reduced[:3])
-            self._settle_certificate(*reduced[4:])
+            reduced = self._coord.max_ints(*mine, *self._certificate.flags())
+            agreed = _SaveVote(*reduced[: len(mine)])
+            self._settle_certificate(*reduced[len(mine) :])
         except CoordinationError as exc:
             raise peer_failure(self.events, step if due_here else None, exc) from None
-        if upload_failed:
+        if agreed.upload_failed:
             # Every rank stops here together; rank 0 has the reason.
             if uploader is not None:
                 uploader.raise_error()
@@ -363,9 +372,11 @@ class CheckpointManager:
                 f"saving step {step} refused: an upload to the durable tier failed on rank 0 "
                 "(see its error and events.jsonl)"
             )
-        emergency = signalled and not self._preempted
-        self._preempted = self._preempted or signalled
-        if not (due or emergency) or (emergency and not self._grace.carry_out(reduced[3], step)):
+        emergency = bool(agreed.signalled) and not self._preempted
+        self._preempted = self._preempted or emergency
+        if not (agreed.due or emergency) or (
+            emergency and not self._grace.carry_out(agreed.grace, step)
+        ):
             return False
         self._auto.save_starting(step)
         return self._writer.save(step, state, metrics_json, emergency=emergency)

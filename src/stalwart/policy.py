@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -39,7 +40,7 @@ class SavePolicy:
             or self.every_steps < 1
         ):
             raise ValueError(
-                f"every_steps must be a positive integer or None, got {self.every_steps!r}"
+                f"every_steps must be a positive integer, 'auto' or None, got {self.every_steps!r}"
             )
         if self.every_seconds is not None and not (
             isinstance(self.every_seconds, (int, float)) and self.every_seconds > 0
@@ -60,10 +61,14 @@ class SavePolicy:
                 f"{self.every_seconds!r}"
             )
         mtbf = self.mtbf_seconds
-        if isinstance(mtbf, bool) or not isinstance(mtbf, (int, float)) or not mtbf > 0:
+        if (
+            isinstance(mtbf, bool)
+            or not isinstance(mtbf, (int, float))
+            or not (mtbf > 0 and math.isfinite(mtbf))
+        ):
             raise ValueError(
                 "every_steps='auto' needs mtbf_seconds=, the job's mean time between failures "
-                f"in seconds (e.g. 86400 for one a day), got {mtbf!r}"
+                f"in seconds, finite (e.g. 86400 for one a day), got {mtbf!r}"
             )
 
     def due(self, step: int, *, seconds_since_last: float) -> bool:

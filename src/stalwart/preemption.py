@@ -1,11 +1,11 @@
 """Preemption within its grace window: from measured save times to what the emergency save does.
 
 A preempted job gets a fixed time between SIGTERM and SIGKILL: torchrun waits
-30 s for its workers after forwarding the signal (fixed in torch 2.13's
-elastic agent), SLURM waits ``KillWait`` (default 30 s) after the signal of a
-time limit or a preemption (``GraceTime`` of the partition's QOS, or
-``--signal=TERM@<seconds>`` to be told earlier), Kubernetes
-``terminationGracePeriodSeconds`` (default 30 s). A save that does not fit is
+30 s for its workers after forwarding the signal (``--shutdown-timeout`` or
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` in torch 2.13), SLURM waits ``KillWait``
+(default 30 s) after the signal of a time limit or a preemption (``GraceTime``
+of the partition's QOS, or ``--signal=TERM@<seconds>`` to be told earlier),
+Kubernetes ``terminationGracePeriodSeconds`` (default 30 s). A save that does not fit is
 cut by SIGKILL: it costs nothing on disk (no manifest, no checkpoint) but it
 takes the time that an in-flight async write, or the upload of the last
 checkpoint, needed to finish.
@@ -34,6 +34,7 @@ import collections
 import dataclasses
 import enum
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -184,11 +185,12 @@ def check_grace(grace_seconds: float | None) -> float | None:
     if (
         isinstance(grace_seconds, bool)
         or not isinstance(grace_seconds, (int, float))
-        or not grace_seconds > 0
+        or not (grace_seconds > 0 and math.isfinite(grace_seconds))
     ):
         raise ValueError(
-            "grace_seconds must be the positive number of seconds between the preemption "
-            f"signal and SIGKILL (30 under torchrun), or None, got {grace_seconds!r}"
+            "grace_seconds must be the positive, finite number of seconds between the "
+            "preemption signal and SIGKILL (30 under torchrun), or None (no window), "
+            f"got {grace_seconds!r}"
         )
     return float(grace_seconds)
 

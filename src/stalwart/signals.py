@@ -37,7 +37,12 @@ __all__ = [
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 _INSTALLED: list[PreemptionSignals] = []
-"""The handlers installed in this process now (a process has one set of signal handlers)."""
+"""The flags installed in this process now; a signal sets each of them (a process has one
+set of signal handlers, shared by every open manager)."""
+_PREVIOUS: dict[int, Any] = {}
+"""The handlers in place before the first ``install``, put back when the last one leaves."""
+_SHIELDED_PID: int | None = None
+"""The process ``shield_worker`` ran in (a forked worker inherits the value of its parent)."""
 
 
 def _signums() -> list[int]:
@@ -62,23 +67,27 @@ class PreemptionSignals:
     """A flag set by SIGTERM or SIGUSR1 once ``install`` ran; ``uninstall`` puts the old handlers back.
 
     Handlers are installed only from the main thread (Python allows no other);
-    elsewhere ``install`` does nothing and the flag stays clear.
+    elsewhere ``install`` does nothing and the flag stays clear. Several may be
+    installed at once (two managers in one process): a signal sets every
+    installed flag, in any order of ``uninstall``, and the handlers in place
+    before the first ``install`` come back when the last one is uninstalled.
     """
 
     def __init__(self) -> None:
         self._flag = threading.Event()
-        self._old: dict[int, Any] = {}
         self.arrived: float | None = None
         """``time.monotonic()`` when the first signal arrived (None: none yet)."""
 
     def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not threading.main_thread() or self in _INSTALLED:
             return
         for signum in _signums():
-            self._old[signum] = signal.signal(signum, self._on_signal)
+            previous = signal.signal(signum, _on_signal)
+            if previous is not _on_signal:
+                _PREVIOUS[signum] = previous
         _INSTALLED.append(self)
 
-    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+    def _mark(self) -> None:
         if self.arrived is None:
             self.arrived = time.monotonic()
         self._flag.set()
@@ -92,12 +101,19 @@ class PreemptionSignals:
         return None if self.arrived is None else time.monotonic() - self.arrived
 
     def uninstall(self) -> None:
-        """Restore the handlers that were in place before ``install``. Idempotent."""
-        for signum, handler in self._old.items():
-            signal.signal(signum, handler)
-        self._old.clear()
-        if self in _INSTALLED:
-            _INSTALLED.remove(self)
+        """Stop setting this flag; the last one out restores the earlier handlers. Idempotent."""
+        if self not in _INSTALLED:
+            return
+        _INSTALLED.remove(self)
+        if not _INSTALLED:
+            for signum, handler in _PREVIOUS.items():
+                signal.signal(signum, handler)
+            _PREVIOUS.clear()
+
+
+def _on_signal(_signum: int, _frame: FrameType | None) -> None:
+    for flag in list(_INSTALLED):
+        flag._mark()
 
 
 # ------------------------------------------------------------- DataLoader workers
@@ -113,9 +129,14 @@ def shield_worker(worker_id: int = 0) -> None:
     at exit) ends the worker as before, by that signal; one from anywhere else
     (torchrun, SLURM, ``kill -- -PGID``) is ignored, so the rank keeps its
     batches until it has written its emergency checkpoint. The worker still
-    ends with its DataLoader, when its parent dies, and on SIGKILL.
+    ends with its DataLoader, when its parent dies, and on SIGKILL. A second
+    call in the same worker does nothing.
     """
     del worker_id  # the same for every worker
+    global _SHIELDED_PID
+    if os.getpid() == _SHIELDED_PID:
+        return  # shielded already (a ShieldedWorkerInit given to ResumableDataLoader)
+    _SHIELDED_PID = os.getpid()
     signums = _signums()
     parent = multiprocessing.parent_process()
     # spawn/forkserver: the process that started the worker, not the fork server.

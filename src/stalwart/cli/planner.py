@@ -49,7 +49,7 @@ import math
 from typing import Any, Literal
 
 from stalwart.cli.units import format_size
-from stalwart.continuous import daly_interval, young_interval  # the library's, shared
+from stalwart.continuous import check_seconds, daly_interval, young_interval  # shared
 
 __all__ = [
     "ASSUMED_NODE_MTBF_S",
@@ -189,7 +189,7 @@ def wall_time_ratio(interval: float, cost: float, mtbf: float, restart: float) -
     M, each costs a restart R plus the work since the last checkpoint, and each
     checkpoint blocks for C. Always > 1; equals 1 + C/tau when M is infinite.
     """
-    _positive(interval=interval, mtbf=mtbf)
+    check_seconds(interval=interval, mtbf=mtbf)
     if cost < 0 or restart < 0:
         raise ValueError(f"cost and restart must be >= 0, got {cost!r} and {restart!r}")
     return mtbf * math.exp(restart / mtbf) * math.expm1((interval + cost) / mtbf) / interval
@@ -198,12 +198,6 @@ def wall_time_ratio(interval: float, cost: float, mtbf: float, restart: float) -
 def overhead_fraction(interval: float, cost: float, mtbf: float, restart: float) -> float:
     """Fraction of wall-clock time not spent on useful compute: 1 - 1 / ``wall_time_ratio``."""
     return 1.0 - 1.0 / wall_time_ratio(interval, cost, mtbf, restart)
-
-
-def _positive(**values: float) -> None:
-    for name, value in values.items():
-        if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
 
 
 # ----------------------------------------------------------------------- the plan
