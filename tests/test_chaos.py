@@ -187,3 +187,51 @@ def test_the_help_documents_the_faults_and_exit_statuses(capsys):
     assert code == 0
     assert all(f"  {n}  " in out for n in (0, 1, 2))
     assert all(kind in out for kind in ("kill@T", "stop@T:S", "term@T:grace=G"))
+
+
+def _gone(pid: int, wait: float = 2.0) -> bool:
+    deadline = time.monotonic() + wait
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not Path(f"/proc/{pid}").exists()
+
+
+_FORKS = (
+    "import os, signal, subprocess, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+    "open(sys.argv[1], 'w').write(f'{os.getpid()} {child.pid}')\n"
+    "for s in range(1, int(sys.argv[2])):\n"
+    "    print(f'step {s}', flush=True); time.sleep(0.05)\n"
+)
+
+
+def test_a_command_that_ignores_sigterm_is_killed_with_its_children_at_the_deadline(
+    tmp_path, capsys
+):
+    pids = tmp_path / "pids"
+    began = time.monotonic()
+    code, _out, err = cli(
+        capsys, "chaos", "--run-dir", tmp_path, "--duration", "1.5", "--stop-grace", "0.5",
+        "--quiet", "--", sys.executable, "-c", _FORKS, pids, "1000000",
+    )  # fmt: skip
+    assert code == 0, err
+    assert time.monotonic() - began < 10
+    assert all(_gone(int(p)) for p in pids.read_text().split())
+
+
+def test_a_command_that_exits_leaves_no_orphan_and_is_not_waited_for(tmp_path, capsys):
+    """It finishes (exit 0) with a child still holding its output open: the child is
+    killed with the command's process group, and the run ends at once."""
+    pids = tmp_path / "pids"
+    began = time.monotonic()
+    code, out, err = cli(
+        capsys, "chaos", "--run-dir", tmp_path, "--duration", "60", "--json",
+        "--", sys.executable, "-c", _FORKS, pids, "5",
+    )  # fmt: skip
+    assert code == 0, err
+    record = json.loads(out)["record"]
+    assert record["completed"]
+    assert all(_gone(int(p)) for p in pids.read_text().split())
+    assert time.monotonic() - began < 4

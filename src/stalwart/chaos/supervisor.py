@@ -177,8 +177,10 @@ class Supervisor:
                 self._signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
                 raise
-            reader.join(timeout=5.0)
+            # First the group: a child left behind holds the output pipe open, and the
+            # reader ends at its end (what was written before stays readable).
             self._reap_group(proc.pid)
+            reader.join(timeout=5.0)
             if attempt.returncode == 0:
                 record.completed = True
                 self.notes(f"attempt {attempt.index}: finished (exit 0)")
