@@ -29,8 +29,16 @@ from typing import IO, Any
 
 from stalwart.chaos.procs import target_pid
 from stalwart.chaos.schedule import Fault
+from stalwart.redact import known_secrets, redact_text, url_secrets
 
-__all__ = ["DEFAULT_STEP_PATTERN", "Attempt", "ChaosRecord", "Injected", "Supervisor"]
+__all__ = [
+    "DEFAULT_STEP_PATTERN",
+    "Attempt",
+    "ChaosRecord",
+    "Injected",
+    "Supervisor",
+    "redacted_command",
+]
 
 DEFAULT_STEP_PATTERN = r"^\s*step\s+(\d+)\b"
 """A progress line: ``step 120  loss 2.31 ...`` (the first group is the step
@@ -86,6 +94,7 @@ class ChaosRecord:
     """What a chaos run did: the command's attempts and the faults, in order."""
 
     command: list[str]
+    """The command run, credentials hidden (``redacted_command``): the record is written out."""
     started: float
     deadline: float
     ended: float = 0.0
@@ -102,6 +111,22 @@ class ChaosRecord:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def redacted_command(command: Sequence[str]) -> list[str]:
+    """``command`` with its credentials replaced by ``***`` (``stalwart.redact``): the
+    user part of URLs, the values of options and variables named like a secret
+    (``--token T``, ``--api-key=K``, ``AWS_SECRET_ACCESS_KEY=S``) and of the credential
+    environment variables."""
+    options: dict[str, str] = {}
+    for arg, following in zip(command, [*command[1:], ""], strict=True):
+        name, eq, value = arg.partition("=")
+        if eq:
+            options[name] = value
+        elif arg.startswith("-") and following and not following.startswith("-"):
+            options[arg] = following
+    secrets = known_secrets("", options) + [s for arg in command for s in url_secrets(arg)]
+    return [redact_text(arg, secrets) for arg in command]
 
 
 class Supervisor:
@@ -159,7 +184,7 @@ class Supervisor:
         self.logs.mkdir(parents=True, exist_ok=True)
         start = time.time()
         record = ChaosRecord(
-            command=self.command,
+            command=redacted_command(self.command),
             started=start,
             deadline=start + self.duration,
             schedule=self.schedule,
