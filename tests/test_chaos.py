@@ -235,3 +235,53 @@ def test_a_command_that_exits_leaves_no_orphan_and_is_not_waited_for(tmp_path, c
     assert record["completed"]
     assert all(_gone(int(p)) for p in pids.read_text().split())
     assert time.monotonic() - began < 4
+
+
+_STEPS = "for s in range(1, 30): print(f'step {s}', flush=True)"
+
+
+def test_an_events_log_that_is_a_link_is_a_warning_and_the_run_is_still_measured(
+    tmp_path, capsys
+):
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    elsewhere.write_text('{"time": 1, "event": "save", "step": 1, "stall_s": 99}\n')
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.jsonl").symlink_to(elsewhere)
+    code, _out, err = cli(
+        capsys, "chaos", "--run-dir", run, "--duration", "30", "--quiet",
+        "--", sys.executable, "-c", _STEPS,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "warning: cannot read" in err and "Traceback" not in err
+    result = json.loads((run / "chaos" / "chaos.json").read_text())
+    assert result["measured"]["checkpoint"]["saves"] == 0
+    assert result["measured"]["steps"]["last"] == 29
+
+
+def test_credentials_in_the_command_are_not_written_out(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "envsecret123")
+    command = [
+        sys.executable, "-c", _STEPS, "s3://AKIDKEY:urlsecret99@bucket/run",
+        "--api-token", "tokensecret1", "--password=pwsecret77", "x-envsecret123",
+    ]  # fmt: skip
+    code, out, err = cli(
+        capsys, "chaos", "--run-dir", tmp_path, "--duration", "30", "--json", "--", *command,
+    )  # fmt: skip
+    assert code == 0, err
+    written = (tmp_path / "chaos" / "chaos.json").read_text()
+    for secret in ("urlsecret99", "AKIDKEY", "tokensecret1", "pwsecret77", "envsecret123"):
+        assert secret not in written and secret not in out and secret not in err, secret
+    assert json.loads(written)["record"]["command"][:3] == command[:3]
+
+
+def test_out_inside_a_file_is_a_one_line_error_before_the_command_runs(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    marker = tmp_path / "ran"
+    code, _out, err = cli(
+        capsys, "chaos", "--run-dir", tmp_path, "--duration", "30", "--out", tmp_path / "file" / "o",
+        "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')",
+    )  # fmt: skip
+    assert code != 0
+    assert_one_line_error(err, "file")
+    assert not marker.exists()

@@ -37,6 +37,7 @@ from stalwart.cli.common import EXIT_OK, UsageError, make_console
 from stalwart.cli.planner import daly_interval, wall_time_ratio, young_interval
 from stalwart.errors import StalwartError
 from stalwart.events import read_events
+from stalwart.layout import EVENTS_NAME
 
 __all__ = ["JSON_NAME", "PNG_NAME", "add_parser", "predict", "run", "torchrun_command"]
 
@@ -230,7 +231,15 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
         raise StalwartError(str(exc)) from None
     except ValueError as exc:  # a fault aimed at a rank the command does not have
         raise UsageError(str(exc)) from None
-    events = list(read_events(run_dir)) if (run_dir / "events.jsonl").is_file() else []
+    try:
+        events = list(read_events(run_dir / EVENTS_NAME))
+    except OSError as exc:  # a link, FIFO or unreadable file: the run's numbers still count
+        print(
+            f"stalwart: warning: cannot read {run_dir / EVENTS_NAME} ({exc.strerror or exc}); "
+            "measuring without checkpoint events",
+            file=err,
+        )
+        events = []
     try:
         measured = measure(record, events)
     except ValueError as exc:
