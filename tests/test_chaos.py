@@ -240,9 +240,7 @@ def test_a_command_that_exits_leaves_no_orphan_and_is_not_waited_for(tmp_path, c
 _STEPS = "for s in range(1, 30): print(f'step {s}', flush=True)"
 
 
-def test_an_events_log_that_is_a_link_is_a_warning_and_the_run_is_still_measured(
-    tmp_path, capsys
-):
+def test_an_events_log_that_is_a_link_is_a_warning_and_the_run_is_still_measured(tmp_path, capsys):
     elsewhere = tmp_path / "elsewhere.jsonl"
     elsewhere.write_text('{"time": 1, "event": "save", "step": 1, "stall_s": 99}\n')
     run = tmp_path / "run"

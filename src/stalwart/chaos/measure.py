@@ -126,7 +126,9 @@ def _well_formed(event: dict[str, Any]) -> bool:
     if not (_number(event.get("time")) and isinstance(event.get("event"), str)):
         return False
     step = event.get("step")
-    if step is not None and not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+    if step is not None and not (
+        isinstance(step, int) and not isinstance(step, bool) and step >= 0
+    ):
         return False
     return all(event.get(k) is None or _number(event[k]) for k in ("seconds", "stall_s"))
 
