@@ -34,7 +34,8 @@ from stalwart.chaos import (
 )
 from stalwart.chaos.plot import draw_chaos
 from stalwart.cli.common import EXIT_OK, UsageError, make_console
-from stalwart.cli.planner import daly_interval, wall_time_ratio, young_interval
+from stalwart.cli.planner import wall_time_ratio
+from stalwart.continuous import daly_interval, young_interval
 from stalwart.errors import StalwartError
 from stalwart.events import read_events
 from stalwart.layout import EVENTS_NAME
