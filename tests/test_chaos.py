@@ -283,3 +283,23 @@ def test_out_inside_a_file_is_a_one_line_error_before_the_command_runs(tmp_path,
     assert code != 0
     assert_one_line_error(err, "file")
     assert not marker.exists()
+
+
+def test_a_progress_line_whose_step_is_not_a_number_is_not_counted(tmp_path, capsys):
+    """A --step-pattern whose group can match a word: such lines are output, not steps,
+    and reading goes on (a reader that stopped would block the command on a full pipe)."""
+    script = (
+        "import sys\n"
+        "for s in range(1, 3000):\n"
+        "    print(f'step {s}' if s % 2 else 'step none ' + 'x' * 100, flush=True)\n"
+        "print('step ' + '9' * 5000, flush=True)\n"
+    )
+    code, out, err = cli(
+        capsys, "chaos", "--run-dir", tmp_path, "--duration", "30", "--json", "--quiet",
+        "--step-pattern", r"^step (\w+)", "--", sys.executable, "-c", script,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "Traceback" not in err
+    record = json.loads(out)["record"]
+    assert record["completed"]
+    assert [s for _t, s in record["attempts"][0]["steps"]] == list(range(1, 3000, 2))

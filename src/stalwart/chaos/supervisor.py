@@ -254,9 +254,19 @@ class Supervisor:
                 now = time.time()
                 f.write(line)
                 f.flush()
-                match = self.step_re.search(line)
-                if match is not None:
-                    attempt.steps.append((now, int(match.group(1))))
+                step = self._step_of(line)
+                if step is not None:
+                    attempt.steps.append((now, step))
+
+    def _step_of(self, line: str) -> int | None:
+        """The step a progress line reports; None for any other line, and for a group
+        that matched no number of up to 18 digits (a pattern wider than the command's
+        lines): output, not a step. The reader must go on, or the pipe fills."""
+        match = self.step_re.search(line)
+        text = match.group(1) if match is not None else None
+        if text is None or not (text.isascii() and text.isdigit() and len(text) <= 18):
+            return None
+        return int(text)
 
     def _watch(
         self,
