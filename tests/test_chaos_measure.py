@@ -186,3 +186,14 @@ def test_events_of_the_wrong_type_are_ignored_not_a_crash():
 def test_a_poisson_schedule_too_dense_to_inject_is_refused_at_once():
     with pytest.raises(ValueError, match="faults"):
         poisson_schedule(mtbf=1e-9, duration=3600, seed=0)
+
+
+def test_a_stop_whose_process_died_stopped_lasts_until_its_attempt_ended():
+    record, events = _record()
+    stop = Injected(
+        fault=Fault(kind="stop", at=4, seconds=100), time=1004.0, attempt=0, pid=1, rank=None,
+        step=20,
+    )  # fmt: skip
+    record.faults.insert(0, stop)
+    (measured,) = measure(record, events)["stops"]
+    assert measured["seconds"] == pytest.approx(1005.05 - 1004.0)

@@ -42,7 +42,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from stalwart.chaos.supervisor import Attempt, ChaosRecord
+from stalwart.chaos.supervisor import Attempt, ChaosRecord, Injected
 
 __all__ = ["measure", "pure_step_time"]
 
@@ -78,7 +78,7 @@ def measure(record: ChaosRecord, events: Iterable[dict[str, Any]]) -> dict[str, 
     stops = [
         {
             "at": f.time - record.started,
-            "seconds": (f.resumed or end_t) - f.time,
+            "seconds": _stop_end(record, f, end_t) - f.time,
             "step": f.step,
             "rank": f.rank,
         }
@@ -141,6 +141,15 @@ def _number(value: Any) -> bool:
         and math.isfinite(value)
         and value >= 0
     )
+
+
+def _stop_end(record: ChaosRecord, stop: Injected, end_t: float) -> float:
+    """When a stop ended: SIGCONT, or the end of its attempt (the process died stopped)
+    or of the run, whichever came first."""
+    if stop.resumed is not None:
+        return stop.resumed
+    ended = record.attempts[stop.attempt].ended
+    return min(end_t, ended) if ended is not None else end_t
 
 
 def _until_end(record: ChaosRecord) -> ChaosRecord:
