@@ -303,3 +303,35 @@ def test_a_progress_line_whose_step_is_not_a_number_is_not_counted(tmp_path, cap
     record = json.loads(out)["record"]
     assert record["completed"]
     assert [s for _t, s in record["attempts"][0]["steps"]] == list(range(1, 3000, 2))
+
+
+def test_links_left_in_the_results_folder_are_replaced_or_refused_never_written_through(
+    tmp_path, capsys
+):
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    (out / "chaos.json").symlink_to(victim)
+    (out / "chaos.png").symlink_to(victim)
+    command = ["--", sys.executable, "-c", _STEPS]
+    args = ["chaos", "--run-dir", tmp_path, "--out", out, "--duration", "30", "--quiet"]
+    code, _out, err = cli(capsys, *args, *command)
+    assert code == 0, err
+    assert victim.read_text() == "keep"
+    assert not (out / "chaos.json").is_symlink() and json.loads((out / "chaos.json").read_text())
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+
+    (out / "logs" / "attempt-0.log").unlink()
+    (out / "logs" / "attempt-0.log").symlink_to(victim)
+    code, _out, err = cli(capsys, *args, *command)
+    assert code == 1
+    assert_one_line_error(err, "attempt-0.log", "link")
+    assert victim.read_text() == "keep"
+
+    (out / "logs" / "attempt-0.log").unlink()
+    (out / "logs").rmdir()
+    (out / "logs").symlink_to(tmp_path)
+    code, _out, err = cli(capsys, *args, *command)
+    assert code == 2
+    assert_one_line_error(err, "logs", "is a link or a file")

@@ -29,6 +29,7 @@ from typing import IO, Any
 
 from stalwart.chaos.procs import target_pid
 from stalwart.chaos.schedule import Fault
+from stalwart.events import open_regular
 from stalwart.redact import known_secrets, redact_text, url_secrets
 
 __all__ = [
@@ -230,26 +231,33 @@ class Supervisor:
 
     def _spawn(self, index: int) -> tuple[Attempt, subprocess.Popen[str], threading.Thread]:
         log = self.logs / f"attempt-{index}.log"
-        proc = subprocess.Popen(
-            self.command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            errors="replace",
-            env=self.env,
-            # A session of its own: the command and all it starts form one process
-            # group, signalled together on preemption and at the deadline.
-            start_new_session=True,
-        )
+        # Never written through a link, or a name of a file elsewhere, left in the folder.
+        fd = open_regular(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        sink = os.fdopen(fd, "w", encoding="utf-8")
+        try:
+            proc = subprocess.Popen(
+                self.command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                errors="replace",
+                env=self.env,
+                # A session of its own: the command and all it starts form one process
+                # group, signalled together on preemption and at the deadline.
+                start_new_session=True,
+            )
+        except BaseException:
+            sink.close()
+            raise
         attempt = Attempt(index=index, pid=proc.pid, started=time.time(), log=str(log))
         assert proc.stdout is not None
-        reader = threading.Thread(target=self._read, args=(proc.stdout, attempt, log), daemon=True)
+        reader = threading.Thread(target=self._read, args=(proc.stdout, attempt, sink), daemon=True)
         reader.start()
         return attempt, proc, reader
 
-    def _read(self, stream: IO[str], attempt: Attempt, log: Path) -> None:
-        with stream, open(log, "w", encoding="utf-8") as f:
+    def _read(self, stream: IO[str], attempt: Attempt, f: IO[str]) -> None:
+        with stream, f:
             for line in stream:
                 now = time.time()
                 f.write(line)

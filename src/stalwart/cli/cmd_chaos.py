@@ -18,6 +18,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any, TextIO
@@ -204,8 +205,9 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
     schedule = _schedule(args)
     run_dir = Path(args.run_dir)
     target = Path(args.out) if args.out is not None else run_dir / "chaos"
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
-        raise UsageError(f"--out {target} is a link or a file; name a directory")
+    for folder in (target, target / "logs"):
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            raise UsageError(f"{folder} is a link or a file; --out names a directory of results")
     target.mkdir(parents=True, exist_ok=True)
 
     def note(line: str) -> None:
@@ -247,7 +249,7 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
         raise StalwartError(f"{exc}; see {target / 'logs'}") from None
     predicted = predict(measured)
     result = {"record": record.to_json(), "measured": measured, "predicted": predicted}
-    (target / JSON_NAME).write_text(json.dumps(result, indent=2, allow_nan=True) + "\n")
+    _publish(target / JSON_NAME, (json.dumps(result, indent=2, allow_nan=True) + "\n").encode())
     png = _draw(record, measured, predicted, events, target / PNG_NAME, err)
     if args.json:
         out.write(json.dumps({**result, "png": png}, indent=2, allow_nan=True) + "\n")
@@ -337,10 +339,22 @@ def _draw(
     except ImportError as exc:
         print(f"chaos: no PNG: matplotlib is not usable ({exc})", file=err)
         return None
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(image.getvalue())
-    os.replace(tmp, path)
+    _publish(path, image.getvalue())
     return str(path)
+
+
+def _publish(path: Path, data: bytes) -> None:
+    """``data`` as ``path``: written to a new file of its own, renamed over ``path``, so
+    whatever ``path`` was (a link left in a results folder) is replaced, never written
+    through, and a reader sees the old file or the whole new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _s(value: float | None) -> str:
