@@ -136,6 +136,11 @@ def _children(pid: int) -> list[str]:
         (["--mtbf", "5", "--faults", "kill,melt", "--", "true"], "--faults"),
         ([], "no training command"),
         (["--", "torchrun", "--max-restarts", "3", "train.py"], "give --max-restarts=0"),
+        (["--schedule", "kill@nan", "--", "true"], "finite and >= 0"),
+        (["--schedule", "stop@1:inf", "--", "true"], "finite and >= 0"),
+        (["--schedule", "kill@1e999", "--", "true"], "finite and >= 0"),
+        (["--mtbf", "1e-9", "--", "true"], "more than 10000"),
+        (["--nproc", "0", "--", "train.py"], "--nproc must be at least 1"),
         (
             ["--", "python", "-m", "torch.distributed.run", "--max_restarts=1", "t.py"],
             "--max_restarts=1",
@@ -335,3 +340,13 @@ def test_links_left_in_the_results_folder_are_replaced_or_refused_never_written_
     code, _out, err = cli(capsys, *args, *command)
     assert code == 2
     assert_one_line_error(err, "logs", "is a link or a file")
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "soon"])
+def test_a_duration_that_is_not_a_positive_number_is_refused_before_anything_runs(
+    tmp_path, capsys, value
+):
+    code, _out, err = cli(capsys, "chaos", "--run-dir", tmp_path, "--duration", value, "--", "true")
+    assert code == 2
+    assert "--duration" in err and "Traceback" not in err
+    assert not (tmp_path / "chaos").exists()
