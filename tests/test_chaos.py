@@ -206,7 +206,7 @@ _FORKS = (
     "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
     "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
     "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
-    "open(sys.argv[1], 'w').write(f'{os.getpid()} {child.pid}')\n"
+    "open(sys.argv[1], 'a').write(f'{os.getpid()} {child.pid} ')\n"
     "for s in range(1, int(sys.argv[2])):\n"
     "    print(f'step {s}', flush=True); time.sleep(0.05)\n"
 )
@@ -350,3 +350,23 @@ def test_a_duration_that_is_not_a_positive_number_is_refused_before_anything_run
     assert code == 2
     assert "--duration" in err and "Traceback" not in err
     assert not (tmp_path / "chaos").exists()
+
+
+def test_a_preemption_the_command_ignores_is_escalated_to_sigkill_of_the_whole_group(
+    tmp_path, capsys
+):
+    pids = tmp_path / "pids"
+    code, out, err = cli(
+        capsys, "chaos", "--run-dir", tmp_path, "--duration", "4", "--stop-grace", "0.3",
+        "--schedule", "term@0.2:grace=0.5", "--json", "--quiet",
+        "--", sys.executable, "-c", _FORKS, pids, "1000000",
+    )  # fmt: skip
+    assert code == 0, err
+    result = json.loads(out)
+    (term,) = result["record"]["faults"]
+    assert term["escalated"]
+    first = result["record"]["attempts"][0]
+    assert first["returncode"] == -9
+    assert 0.5 <= first["ended"] - term["time"] < 2.0
+    assert result["measured"]["failures"][0]["escalated"]
+    assert all(_gone(int(p)) for p in pids.read_text().split())
