@@ -79,16 +79,20 @@ def test_a_short_schedule_is_measured_consistently(tmp_path, capsys):
 @pytest.mark.slow
 def test_under_torchrun_one_rank_is_killed_and_the_whole_job_restarted(tmp_path, capsys):
     """--nproc 2: the kill hits rank 1 (found through /proc), torchrun ends the job, the
-    supervisor starts it again and both ranks resume from the newest checkpoint."""
+    supervisor starts it again and both ranks resume from the newest checkpoint.
+
+    The kill comes with the first progress line, and the restarted job trains to its
+    last step and exits 0: the run ends there, not at the deadline."""
     run = tmp_path / "run"
-    script = [*charlm(run)[1:], "--batch-size", "16"]
+    script = [*charlm(run)[1:], "--batch-size", "16", "--steps", str(6 * EVERY)]
     code, _out, err = cli(
-        capsys, "chaos", "--run-dir", run, "--duration", "40", "--nproc", "2",
-        "--schedule", "kill@12", "--", *script,
+        capsys, "chaos", "--run-dir", run, "--duration", "60", "--nproc", "2",
+        "--schedule", "kill@0", "--", *script,
     )  # fmt: skip
     assert code == 0, err
     result = json.loads((run / "chaos" / "chaos.json").read_text())
     m, record = result["measured"], result["record"]
+    assert m["completed"] and m["steps"]["last"] == 6 * EVERY
     (fault,) = record["faults"]
     torchrun_pid = record["attempts"][0]["pid"]
     assert fault["rank"] == 1 and fault["pid"] != torchrun_pid
