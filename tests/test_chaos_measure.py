@@ -159,3 +159,41 @@ def test_an_exit_no_fault_caused_is_an_unplanned_failure_measured_from_the_exit(
     assert failure["at"] == pytest.approx(5.05)  # the exit is all the harness knows of it
     assert (failure["detection_s"], failure["lost_steps"]) == (0.0, 5)
     assert predict(m)["failures"] == 1
+
+
+def test_events_of_the_wrong_type_are_ignored_not_a_crash():
+    """A crafted events.jsonl: fields of the wrong type or out of range leave the numbers alone."""
+    record, events = _record()
+    expected = measure(record, events)
+    crafted = [
+        {"time": True, "event": "save", "step": 10, "stall_s": 9.0},
+        {"time": float("nan"), "event": "save", "step": 10, "stall_s": 9.0},
+        {"time": float("inf"), "event": "restore", "step": 3},
+        {"time": "1004.6", "event": "save", "step": 10, "stall_s": 9.0},
+        {"time": 1004.6, "event": ["save"], "step": 10},
+        {"time": 1004.7, "event": "save", "step": "ten", "stall_s": [1]},
+        {"time": 1004.8, "event": "save", "step": 20, "stall_s": "x", "emergency": "yes"},
+        {"time": 1000.6, "event": "open", "every_steps": "10"},
+        {"time": 1008.05, "event": "restore", "step": {"x": 1}, "seconds": "slow"},
+    ]
+    m = measure(record, events + crafted)
+    assert m["failures"] == expected["failures"]
+    assert m["step_time_s"] == pytest.approx(expected["step_time_s"])
+    assert m["checkpoint"]["every_steps"] == 10
+    assert m["checkpoint"]["stall_median_s"] == pytest.approx(0.5)
+
+
+def test_a_poisson_schedule_too_dense_to_inject_is_refused_at_once():
+    with pytest.raises(ValueError, match="faults"):
+        poisson_schedule(mtbf=1e-9, duration=3600, seed=0)
+
+
+def test_a_stop_whose_process_died_stopped_lasts_until_its_attempt_ended():
+    record, events = _record()
+    stop = Injected(
+        fault=Fault(kind="stop", at=4, seconds=100), time=1004.0, attempt=0, pid=1, rank=None,
+        step=20,
+    )  # fmt: skip
+    record.faults.insert(0, stop)
+    (measured,) = measure(record, events)["stops"]
+    assert measured["seconds"] == pytest.approx(1005.05 - 1004.0)

@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from stalwart.chaos.supervisor import Attempt, ChaosRecord
+from stalwart.chaos.supervisor import Attempt, ChaosRecord, Injected
 
 __all__ = ["measure", "pure_step_time"]
 
@@ -59,9 +60,7 @@ def measure(record: ChaosRecord, events: Iterable[dict[str, Any]]) -> dict[str, 
     Raises ``ValueError`` when no progress line was seen.
     """
     record = _until_end(record)
-    evs = sorted(
-        (e for e in events if isinstance(e.get("time"), (int, float))), key=lambda e: e["time"]
-    )
+    evs = sorted((e for e in events if _well_formed(e)), key=lambda e: e["time"])
     with_steps = [a for a in record.attempts if a.steps]
     if not with_steps:
         raise ValueError(
@@ -79,7 +78,7 @@ def measure(record: ChaosRecord, events: Iterable[dict[str, Any]]) -> dict[str, 
     stops = [
         {
             "at": f.time - record.started,
-            "seconds": (f.resumed or end_t) - f.time,
+            "seconds": _stop_end(record, f, end_t) - f.time,
             "step": f.step,
             "rank": f.rank,
         }
@@ -117,6 +116,42 @@ def measure(record: ChaosRecord, events: Iterable[dict[str, Any]]) -> dict[str, 
     }
 
 
+def _well_formed(event: dict[str, Any]) -> bool:
+    """The event is one stalwart could have written: a finite ``time``, an ``event`` name,
+    and ``step``, ``seconds`` and ``stall_s`` absent or numbers >= 0 (``step`` an int).
+
+    ``events.jsonl`` is input from outside the harness: an event that is not well
+    formed is left out of every number rather than crash the measurement.
+    """
+    if not (_number(event.get("time")) and isinstance(event.get("event"), str)):
+        return False
+    step = event.get("step")
+    if step is not None and not (
+        isinstance(step, int) and not isinstance(step, bool) and step >= 0
+    ):
+        return False
+    return all(event.get(k) is None or _number(event[k]) for k in ("seconds", "stall_s"))
+
+
+def _number(value: Any) -> bool:
+    """A real, finite number >= 0 (JSON true and false are not numbers here)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+def _stop_end(record: ChaosRecord, stop: Injected, end_t: float) -> float:
+    """When a stop ended: SIGCONT, or the end of its attempt (the process died stopped)
+    or of the run, whichever came first."""
+    if stop.resumed is not None:
+        return stop.resumed
+    ended = record.attempts[stop.attempt].ended
+    return min(end_t, ended) if ended is not None else end_t
+
+
 def _until_end(record: ChaosRecord) -> ChaosRecord:
     """The record without the progress lines that came after the deadline (the command
     trains on for a moment after its SIGTERM); a finished run's lines all count."""
@@ -152,7 +187,9 @@ def pure_step_time(record: ChaosRecord, events: Sequence[dict[str, Any]]) -> flo
         f.resumed for f in record.faults if f.resumed is not None
     ]
     stall_at = [
-        (e["time"], float(e.get("stall_s") or 0.0)) for e in events if e.get("event") == "save"
+        (e["time"], float(e.get("stall_s") or 0.0))
+        for e in events
+        if _well_formed(e) and e["event"] == "save"
     ]
     seconds, steps = 0.0, 0
     for attempt in record.attempts:

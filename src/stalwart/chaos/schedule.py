@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_GRACE_S",
     "DEFAULT_STOP_S",
     "FAULT_KINDS",
+    "MAX_FAULTS",
     "Fault",
     "parse_schedule",
     "poisson_schedule",
@@ -38,6 +39,9 @@ DEFAULT_STOP_S = 3.0
 """How long a ``stop`` without ``:SECONDS`` keeps the process stopped."""
 DEFAULT_GRACE_S = 30.0
 """How long a ``term`` without ``:grace=`` waits before SIGKILL (Kubernetes' default)."""
+MAX_FAULTS = 10_000
+"""Most faults ``poisson_schedule`` expects (duration / mtbf): a denser schedule is a typo,
+and drawing it would not end."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,6 +144,11 @@ def poisson_schedule(
         raise ValueError(f"mtbf must be a positive number of seconds, got {mtbf!r}")
     if not kinds or any(k not in FAULT_KINDS for k in kinds):
         raise ValueError(f"kinds must be among {', '.join(FAULT_KINDS)}, got {kinds!r}")
+    if duration / mtbf > MAX_FAULTS:
+        raise ValueError(
+            f"mtbf {mtbf:g} s over {duration:g} s means about {duration / mtbf:.3g} faults, "
+            f"more than {MAX_FAULTS}; give a longer mtbf"
+        )
     rng = random.Random(seed)
     faults: list[Fault] = []
     at = rng.expovariate(1.0 / mtbf)

@@ -29,8 +29,17 @@ from typing import IO, Any
 
 from stalwart.chaos.procs import target_pid
 from stalwart.chaos.schedule import Fault
+from stalwart.events import open_regular
+from stalwart.redact import known_secrets, redact_text, url_secrets
 
-__all__ = ["DEFAULT_STEP_PATTERN", "Attempt", "ChaosRecord", "Injected", "Supervisor"]
+__all__ = [
+    "DEFAULT_STEP_PATTERN",
+    "Attempt",
+    "ChaosRecord",
+    "Injected",
+    "Supervisor",
+    "redacted_command",
+]
 
 DEFAULT_STEP_PATTERN = r"^\s*step\s+(\d+)\b"
 """A progress line: ``step 120  loss 2.31 ...`` (the first group is the step
@@ -86,6 +95,7 @@ class ChaosRecord:
     """What a chaos run did: the command's attempts and the faults, in order."""
 
     command: list[str]
+    """The command run, credentials hidden (``redacted_command``): the record is written out."""
     started: float
     deadline: float
     ended: float = 0.0
@@ -102,6 +112,22 @@ class ChaosRecord:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def redacted_command(command: Sequence[str]) -> list[str]:
+    """``command`` with its credentials replaced by ``***`` (``stalwart.redact``): the
+    user part of URLs, the values of options and variables named like a secret
+    (``--token T``, ``--api-key=K``, ``AWS_SECRET_ACCESS_KEY=S``) and of the credential
+    environment variables."""
+    options: dict[str, str] = {}
+    for arg, following in zip(command, [*command[1:], ""], strict=True):
+        name, eq, value = arg.partition("=")
+        if eq:
+            options[name] = value
+        elif arg.startswith("-") and following and not following.startswith("-"):
+            options[arg] = following
+    secrets = known_secrets("", options) + [s for arg in command for s in url_secrets(arg)]
+    return [redact_text(arg, secrets) for arg in command]
 
 
 class Supervisor:
@@ -159,7 +185,7 @@ class Supervisor:
         self.logs.mkdir(parents=True, exist_ok=True)
         start = time.time()
         record = ChaosRecord(
-            command=self.command,
+            command=redacted_command(self.command),
             started=start,
             deadline=start + self.duration,
             schedule=self.schedule,
@@ -177,8 +203,10 @@ class Supervisor:
                 self._signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
                 raise
-            reader.join(timeout=5.0)
+            # First the group: a child left behind holds the output pipe open, and the
+            # reader ends at its end (what was written before stays readable).
             self._reap_group(proc.pid)
+            reader.join(timeout=5.0)
             if attempt.returncode == 0:
                 record.completed = True
                 self.notes(f"attempt {attempt.index}: finished (exit 0)")
@@ -203,33 +231,50 @@ class Supervisor:
 
     def _spawn(self, index: int) -> tuple[Attempt, subprocess.Popen[str], threading.Thread]:
         log = self.logs / f"attempt-{index}.log"
-        proc = subprocess.Popen(
-            self.command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            errors="replace",
-            env=self.env,
-            # A session of its own: the command and all it starts form one process
-            # group, signalled together on preemption and at the deadline.
-            start_new_session=True,
-        )
+        # Never written through a link, or a name of a file elsewhere, left in the folder.
+        fd = open_regular(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        sink = os.fdopen(fd, "w", encoding="utf-8")
+        try:
+            proc = subprocess.Popen(
+                self.command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                errors="replace",
+                env=self.env,
+                # A session of its own: the command and all it starts form one process
+                # group, signalled together on preemption and at the deadline.
+                start_new_session=True,
+            )
+        except BaseException:
+            sink.close()
+            raise
         attempt = Attempt(index=index, pid=proc.pid, started=time.time(), log=str(log))
         assert proc.stdout is not None
-        reader = threading.Thread(target=self._read, args=(proc.stdout, attempt, log), daemon=True)
+        reader = threading.Thread(target=self._read, args=(proc.stdout, attempt, sink), daemon=True)
         reader.start()
         return attempt, proc, reader
 
-    def _read(self, stream: IO[str], attempt: Attempt, log: Path) -> None:
-        with stream, open(log, "w", encoding="utf-8") as f:
+    def _read(self, stream: IO[str], attempt: Attempt, f: IO[str]) -> None:
+        with stream, f:
             for line in stream:
                 now = time.time()
                 f.write(line)
                 f.flush()
-                match = self.step_re.search(line)
-                if match is not None:
-                    attempt.steps.append((now, int(match.group(1))))
+                step = self._step_of(line)
+                if step is not None:
+                    attempt.steps.append((now, step))
+
+    def _step_of(self, line: str) -> int | None:
+        """The step a progress line reports; None for any other line, and for a group
+        that matched no number of up to 18 digits (a pattern wider than the command's
+        lines): output, not a step. The reader must go on, or the pipe fills."""
+        match = self.step_re.search(line)
+        text = match.group(1) if match is not None else None
+        if text is None or not (text.isascii() and text.isdigit() and len(text) <= 18):
+            return None
+        return int(text)
 
     def _watch(
         self,

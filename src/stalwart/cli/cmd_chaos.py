@@ -18,6 +18,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,9 +35,11 @@ from stalwart.chaos import (
 )
 from stalwart.chaos.plot import draw_chaos
 from stalwart.cli.common import EXIT_OK, UsageError, make_console
-from stalwart.cli.planner import daly_interval, wall_time_ratio, young_interval
+from stalwart.cli.planner import wall_time_ratio
+from stalwart.continuous import daly_interval, young_interval
 from stalwart.errors import StalwartError
 from stalwart.events import read_events
+from stalwart.layout import EVENTS_NAME
 
 __all__ = ["JSON_NAME", "PNG_NAME", "add_parser", "predict", "run", "torchrun_command"]
 
@@ -202,8 +205,9 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
     schedule = _schedule(args)
     run_dir = Path(args.run_dir)
     target = Path(args.out) if args.out is not None else run_dir / "chaos"
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
-        raise UsageError(f"--out {target} is a link or a file; name a directory")
+    for folder in (target, target / "logs"):
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            raise UsageError(f"{folder} is a link or a file; --out names a directory of results")
     target.mkdir(parents=True, exist_ok=True)
 
     def note(line: str) -> None:
@@ -230,14 +234,22 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
         raise StalwartError(str(exc)) from None
     except ValueError as exc:  # a fault aimed at a rank the command does not have
         raise UsageError(str(exc)) from None
-    events = list(read_events(run_dir)) if (run_dir / "events.jsonl").is_file() else []
+    try:
+        events = list(read_events(run_dir / EVENTS_NAME))
+    except OSError as exc:  # a link, FIFO or unreadable file: the run's numbers still count
+        print(
+            f"stalwart: warning: cannot read {run_dir / EVENTS_NAME} ({exc.strerror or exc}); "
+            "measuring without checkpoint events",
+            file=err,
+        )
+        events = []
     try:
         measured = measure(record, events)
     except ValueError as exc:
         raise StalwartError(f"{exc}; see {target / 'logs'}") from None
     predicted = predict(measured)
     result = {"record": record.to_json(), "measured": measured, "predicted": predicted}
-    (target / JSON_NAME).write_text(json.dumps(result, indent=2, allow_nan=True) + "\n")
+    _publish(target / JSON_NAME, (json.dumps(result, indent=2, allow_nan=True) + "\n").encode())
     png = _draw(record, measured, predicted, events, target / PNG_NAME, err)
     if args.json:
         out.write(json.dumps({**result, "png": png}, indent=2, allow_nan=True) + "\n")
@@ -327,10 +339,22 @@ def _draw(
     except ImportError as exc:
         print(f"chaos: no PNG: matplotlib is not usable ({exc})", file=err)
         return None
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(image.getvalue())
-    os.replace(tmp, path)
+    _publish(path, image.getvalue())
     return str(path)
+
+
+def _publish(path: Path, data: bytes) -> None:
+    """``data`` as ``path``: written to a new file of its own, renamed over ``path``, so
+    whatever ``path`` was (a link left in a results folder) is replaced, never written
+    through, and a reader sees the old file or the whole new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _s(value: float | None) -> str:
