@@ -127,37 +127,24 @@ def test_a_crafted_pickle_with_a_matching_manifest_is_refused_and_never_run(
     assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=4)
 
 
+def killed_torchrun(tmp_path: Path, stage: int, *kill: str) -> subprocess.CompletedProcess[str]:
+    """An uninterrupted two-rank reference run (``ref.pt``), then the same run with ``kill``
+    (worker options) under torchrun with one restart (``resumed.pt``); the second's process."""
+    common = ("--stage", str(stage), "--steps", "6")
+
+    def launch(name: str, *extra: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
+        directory, out = str(tmp_path / name), str(tmp_path / f"{name}.pt")
+        return ok(torchrun(2, "--dir", directory, "--out", out, *common, *extra,
+                           restarts=restarts, script=WORKER))  # fmt: skip
+
+    launch("ref")
+    return launch("resumed", *kill, restarts=1)
+
+
 def test_torchrun_rank_killed_mid_run_resumes_bit_exactly(tmp_path: Path) -> None:
     """ZeRO 3 on two gloo ranks: rank 1 is SIGKILLed after step 5, torchrun restarts
     both, they resume from step 4 and end where an uninterrupted run ends."""
-    common = ("--stage", "3", "--steps", "6")
-    ok(
-        torchrun(
-            2,
-            "--dir",
-            str(tmp_path / "ref"),
-            "--out",
-            str(tmp_path / "ref.pt"),
-            *common,
-            script=WORKER,
-        )
-    )
-    proc = ok(
-        torchrun(
-            2,
-            "--dir",
-            str(tmp_path / "run"),
-            "--out",
-            str(tmp_path / "resumed.pt"),
-            *common,
-            "--kill-rank",
-            "1",
-            "--kill-after-step",
-            "5",
-            restarts=1,
-            script=WORKER,
-        )
-    )
+    proc = killed_torchrun(tmp_path, 3, "--kill-rank", "1", "--kill-after-step", "5")
     assert starts(proc) == [0, 0, 4, 4]
     assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=4)
 
@@ -167,34 +154,7 @@ def test_torchrun_rank_killed_between_shard_writes_leaves_latest_on_a_committed_
 ) -> None:
     """ZeRO 1: rank 1 dies before writing its optimizer shard of step 6's save. Step 6
     never commits, ``latest`` still names step 4, and the restart replays from 4 exactly."""
-    common = ("--stage", "1", "--steps", "6")
-    ok(
-        torchrun(
-            2,
-            "--dir",
-            str(tmp_path / "ref"),
-            "--out",
-            str(tmp_path / "ref.pt"),
-            *common,
-            script=WORKER,
-        )
-    )
-    proc = ok(
-        torchrun(
-            2,
-            "--dir",
-            str(tmp_path / "run"),
-            "--out",
-            str(tmp_path / "resumed.pt"),
-            *common,
-            "--kill-rank",
-            "1",
-            "--kill-in-save",
-            "6",
-            restarts=1,
-            script=WORKER,
-        )
-    )
+    proc = killed_torchrun(tmp_path, 1, "--kill-rank", "1", "--kill-in-save", "6")
     assert "latest global_step4 committed [2, 4]" in proc.stdout
     assert starts(proc) == [0, 0, 4, 4]
     assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=4)
@@ -245,3 +205,4 @@ def test_the_run_directory_must_be_local() -> None:
 
     with pytest.raises(ValueError, match="give an object store as durable= instead"):
         DeepSpeedCheckpointer(object(), "s3://bucket/run")
+
