@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
@@ -64,8 +63,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from stalwart.distributed import Coordinator
 from stalwart.errors import CheckpointCorruptError, CheckpointSaveError, UnsafeCheckpointError
 from stalwart.manager import CheckpointManager
-from stalwart.manifest import Manifest, open_checkpoint_file
+from stalwart.manifest import Manifest
 from stalwart.pipeline import read_manifest
+from stalwart.reader import VerifiedFiles
 from stalwart.state import TrainState
 from stalwart.storage.local import LocalStorage
 
@@ -80,8 +80,6 @@ __all__ = [
 logger = logging.getLogger("stalwart")
 
 _TAG_STEP = re.compile(r"^(?:global_step)?(\d+)$")
-_MAX_FILE_BYTES = 1 << 40
-"""No DeepSpeed file of a checkpoint is read into memory past this size (a manifest lies)."""
 
 
 def step_of_tag(tag: str) -> int:
@@ -406,39 +404,28 @@ class DeepSpeedCheckpointer:
 def _decode(step_path: Path, manifest: Manifest, relative: str, map_location: Any) -> Any:
     """Read ``relative`` of a committed step, check it against ``manifest``, decode it safely.
 
-    The bytes that are checked are the bytes decoded (read once, into memory):
-    a file changed after verification cannot slip in. Raises
-    ``CheckpointCorruptError`` for a file the manifest does not list, another
-    size or checksum, or content ``torch.load(weights_only=True)`` refuses.
+    ``VerifiedFiles`` reads it once into memory and checks size and xxh3-128
+    there: the bytes that are checked are the bytes decoded, so a file changed
+    after verification cannot slip in. Raises ``CheckpointCorruptError`` for a
+    file the manifest does not list, another size or checksum (``transient``
+    when it cannot be read), or content ``torch.load(weights_only=True)`` refuses.
     """
-    entry = next((e for e in manifest.files if e.path == relative), None)
-    where = step_path / relative
-    if entry is None:
-        raise CheckpointCorruptError(f"{where}: not listed in the manifest", path=str(where))
-    if entry.size > _MAX_FILE_BYTES:
-        raise CheckpointCorruptError(f"{where}: implausible size {entry.size}", path=str(where))
+    files = VerifiedFiles(step_path, manifest)
     try:
-        with open_checkpoint_file(step_path, relative) as (f, size):
-            data = f.read(entry.size + 1) if size == entry.size else b""
-    except OSError as exc:
-        # Unreadable says nothing about the bytes: transient, the checkpoint is kept.
-        raise CheckpointCorruptError(
-            f"{where}: cannot be read: {exc}", path=str(where), transient=True
-        ) from exc
-    if len(data) != entry.size or xxhash.xxh3_128(data).hexdigest() != entry.xxh3_128:
-        raise CheckpointCorruptError(
-            f"{where}: does not match its manifest (size or xxh3-128 differs)", path=str(where)
-        )
-    try:
-        with _allowlisted():
-            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-    except Exception as exc:
-        detail = str(exc).strip().splitlines()
-        raise UnsafeCheckpointError(
-            f"{where}: refused by torch.load(weights_only=True): "
-            f"{detail[-1] if detail else type(exc).__name__}",
-            path=str(where),
-        ) from exc
+        data = files.held(relative).view
+        try:
+            with _allowlisted():
+                return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        except Exception as exc:
+            where = step_path / relative
+            detail = str(exc).strip().splitlines()
+            raise UnsafeCheckpointError(
+                f"{where}: refused by torch.load(weights_only=True): "
+                f"{detail[-1] if detail else type(exc).__name__}",
+                path=str(where),
+            ) from exc
+    finally:
+        files.close()
 
 
 @contextmanager
