@@ -206,3 +206,12 @@ def test_the_run_directory_must_be_local() -> None:
     with pytest.raises(ValueError, match="give an object store as durable= instead"):
         DeepSpeedCheckpointer(object(), "s3://bucket/run")
 
+
+@pytest.mark.parametrize(
+    "tag", ["global_step-1", "../x", "global_step../3", "global_step１２", "", "12 ", "12\n"]
+)
+def test_a_tag_that_is_not_a_plain_step_is_refused(tag: str) -> None:
+    from stalwart.integrations.deepspeed import step_of_tag
+
+    with pytest.raises(ValueError, match="names no step"):
+        step_of_tag(tag)

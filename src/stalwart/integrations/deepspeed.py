@@ -79,7 +79,7 @@ __all__ = [
 
 logger = logging.getLogger("stalwart")
 
-_TAG_STEP = re.compile(r"^(?:global_step)?(\d+)$")
+_TAG_STEP = re.compile(r"(?:global_step)?([0-9]+)")
 
 
 def step_of_tag(tag: str) -> int:
@@ -88,7 +88,7 @@ def step_of_tag(tag: str) -> int:
     A stalwart checkpoint is identified by its step; other tags are refused
     with ``ValueError`` rather than mapped to a guess.
     """
-    m = _TAG_STEP.match(str(tag))
+    m = _TAG_STEP.fullmatch(str(tag))
     if m is None:
         raise ValueError(
             f"DeepSpeed tag {tag!r} names no step: stalwart keeps one checkpoint per step, so "
