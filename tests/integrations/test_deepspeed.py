@@ -215,3 +215,52 @@ def test_a_tag_that_is_not_a_plain_step_is_refused(tag: str) -> None:
 
     with pytest.raises(ValueError, match="names no step"):
         step_of_tag(tag)
+
+
+class FakeEngine:
+    """The two methods ``DeepSpeedCheckpointer`` replaces, recording what reaches DeepSpeed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def save_checkpoint(self, *args, **kwargs):
+        self.calls.append(("save", args, kwargs))
+
+    def load_checkpoint(self, *args, **kwargs):
+        self.calls.append(("load", args, kwargs))
+        return None, None
+
+
+def test_a_client_state_a_load_would_refuse_is_refused_before_deepspeed_writes(
+    tmp_path: Path,
+) -> None:
+    """torch.load(weights_only=True) refuses such an object at the next resume, which
+    would skip every checkpoint saved with it: the save names the key instead."""
+    from stalwart.integrations.deepspeed import DeepSpeedCheckpointer
+
+    engine = FakeEngine()
+    with DeepSpeedCheckpointer(engine, tmp_path) as ckpt:
+        with pytest.raises(TypeError, match=r"\['client_state'\]\['sched'\] is a .*Path"):
+            engine.save_checkpoint(tmp_path, client_state={"step": 3, "sched": tmp_path})
+        assert engine.calls == []
+        engine.save_checkpoint(tmp_path, tag="global_step3", client_state={"step": 3})
+        assert engine.calls == [
+            ("save", (tmp_path,), {"tag": "global_step3", "client_state": {"step": 3}})
+        ]
+        assert ckpt.deepspeed_save != engine.save_checkpoint
+
+
+def test_loading_a_tag_that_was_never_committed_raises_not_found(tmp_path: Path) -> None:
+    from stalwart.errors import CheckpointNotFoundError
+    from stalwart.integrations.deepspeed import DeepSpeedCheckpointer
+
+    engine = FakeEngine()
+    with DeepSpeedCheckpointer(engine, tmp_path):
+        assert engine.load_checkpoint(tmp_path) == (None, None)
+        with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint of step 7"):
+            engine.load_checkpoint(tmp_path, tag="global_step7")
+        with pytest.raises(ValueError, match="names no step"):
+            engine.load_checkpoint(tmp_path, tag="../global_step7")
+        with pytest.raises(ValueError, match="pass that directory"):
+            engine.load_checkpoint(tmp_path / "other")
+    assert engine.calls == []  # DeepSpeed's own load never ran

@@ -67,6 +67,7 @@ from stalwart.manifest import Manifest
 from stalwart.pipeline import read_manifest
 from stalwart.reader import VerifiedFiles
 from stalwart.state import TrainState
+from stalwart.state.plain import check_plain
 from stalwart.storage.local import LocalStorage
 
 __all__ = [
@@ -238,12 +239,33 @@ class DeepSpeedCheckpointer:
         """What ``engine.load_checkpoint`` returned as client state in the last ``load()``."""
         self.deepspeed_load = engine.load_checkpoint
         """DeepSpeed's own ``load_checkpoint``, which ``load`` calls once the files are verified."""
+        self.deepspeed_save = engine.save_checkpoint
+        """DeepSpeed's own ``save_checkpoint``, which ``save_checkpoint`` calls once checked."""
         engine.checkpoint_engine = StalwartCheckpointEngine(self)
-        # The instance attribute shadows the class's method: the user's unchanged
-        # engine.load_checkpoint(directory) now verifies and falls back.
+        # The instance attributes shadow the class's methods: the user's unchanged
+        # engine.load_checkpoint(directory) now verifies and falls back, and
+        # engine.save_checkpoint refuses a client state a load would refuse.
         engine.load_checkpoint = self.load_checkpoint
+        engine.save_checkpoint = self.save_checkpoint
 
     # ------------------------------------------------------------------ save
+
+    def save_checkpoint(
+        self, save_dir: str | os.PathLike[str], tag: Any = None, client_state: Any = None,
+        **save_kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """``engine.save_checkpoint`` once installed: DeepSpeed's, after checking ``client_state``.
+
+        DeepSpeed pickles the client state into its model-states file; a load
+        decodes that file with ``torch.load(weights_only=True)``, which refuses
+        any object but tensors and plain data. Saved, such a value would make
+        every checkpoint after it be skipped as unsafe at the next resume, so it
+        is refused here, before anything is written (``TypeError`` naming its key).
+        """
+        if client_state is None:
+            client_state = {}
+        check_plain({"client_state": client_state}, "")
+        return self.deepspeed_save(save_dir, tag=tag, client_state=client_state, **save_kwargs)
 
     def begin_save(self, tag: str, save_dir: Path) -> None:
         """``create``: rank 0 makes the staging directory of ``tag``'s step; collective."""
