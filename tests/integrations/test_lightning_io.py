@@ -416,3 +416,53 @@ def test_a_crafted_last_ckpt_claiming_an_old_step_still_falls_back_to_the_newest
     flip_byte(_data_file(tmp_path / "last-v1.ckpt"))  # damaged, and claims step 0
 
     assert io.load_checkpoint(tmp_path / "last-v1.ckpt")["global_step"] == 10
+
+
+# ---------------------------------------------------------------- hostile layouts
+
+
+def test_a_last_ckpt_linked_to_another_directory_is_never_read_nor_written_through(
+    tmp_path: Path,
+) -> None:
+    """A link named last.ckpt to a valid, newer checkpoint elsewhere: the load falls back
+    to the checkpoints of dirpath, and a save moves the link aside, leaving the target be."""
+    io = StalwartCheckpointIO()
+    elsewhere, dirpath = tmp_path / "elsewhere", tmp_path / "ckpt"
+    io.save_checkpoint(_checkpoint(99, 99.0), elsewhere / "last.ckpt")
+    io.save_checkpoint(_checkpoint(5, 5.0), dirpath / "epoch=0-step=5.ckpt")
+    (dirpath / "last.ckpt").symlink_to(elsewhere / "last.ckpt", target_is_directory=True)
+    before = sorted(p.name for p in (elsewhere / "last.ckpt").iterdir())
+
+    assert io.load_checkpoint(dirpath / "last.ckpt")["global_step"] == 5
+
+    io.save_checkpoint(_checkpoint(6, 6.0), dirpath / "last.ckpt")
+    assert not (dirpath / "last.ckpt").is_symlink()
+    assert io.load_checkpoint(dirpath / "last.ckpt")["global_step"] == 6
+    assert sorted(p.name for p in (elsewhere / "last.ckpt").iterdir()) == before
+    io.remove_checkpoint(next(dirpath.glob(".last.ckpt.foreign-*")))  # the link, not its target
+    assert io.load_checkpoint(elsewhere / "last.ckpt")["global_step"] == 99
+
+
+def test_a_step_linked_in_from_outside_dirpath_is_not_a_checkpoint_of_it(tmp_path: Path) -> None:
+    io = StalwartCheckpointIO()
+    io.save_checkpoint(_checkpoint(99, 99.0), tmp_path / "elsewhere.ckpt")
+    io.save_checkpoint(_checkpoint(5, 5.0), tmp_path / "ckpt" / "last.ckpt")
+    (tmp_path / "ckpt" / "last.ckpt" / "step_000000099").symlink_to(
+        tmp_path / "elsewhere.ckpt" / "step_000000099", target_is_directory=True
+    )
+
+    assert io.load_checkpoint(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 5
+
+
+def test_a_step_with_a_huge_manifest_is_skipped_without_reading_it(tmp_path: Path) -> None:
+    """A crafted step whose MANIFEST.json is 16 GiB (sparse): refused by its size, then fallback."""
+    io = StalwartCheckpointIO()
+    io.save_checkpoint(_checkpoint(5, 5.0), tmp_path / "epoch=0-step=5.ckpt")
+    crafted = tmp_path / "last.ckpt" / "step_000000099"
+    crafted.mkdir(parents=True)
+    with open(crafted / "MANIFEST.json", "wb") as f:
+        f.truncate(16 << 30)
+
+    t0 = time.perf_counter()
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 5
+    assert time.perf_counter() - t0 < 10
