@@ -466,3 +466,37 @@ def test_a_step_with_a_huge_manifest_is_skipped_without_reading_it(tmp_path: Pat
     t0 = time.perf_counter()
     assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 5
     assert time.perf_counter() - t0 < 10
+
+
+def test_two_writers_of_one_path_never_overwrite_each_others_commits(tmp_path: Path) -> None:
+    """No lock: two plugins saving last.ckpt at once race for each step. The loser's save
+    fails with CheckpointSaveError; what is committed is always whole and loads back."""
+    import threading
+
+    from stalwart.errors import CheckpointSaveError
+
+    last, errors = tmp_path / "last.ckpt", []
+
+    def writer(who: float) -> None:
+        io = StalwartCheckpointIO()
+        for step in range(12):
+            try:
+                io.save_checkpoint({"global_step": step, "w": torch.full((8,), who + step)}, last)
+            except Exception as exc:  # anything else fails the test below
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=writer, args=(who,)) for who in (0.0, 100.0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert all(
+        e.startswith(CheckpointSaveError.__name__)
+        and ("already exists" in e or "another writer" in e)
+        for e in errors
+    ), errors
+    (step_dir,) = last.glob("step_*")
+    verify_checkpoint(step_dir)
+    loaded = StalwartCheckpointIO().load_checkpoint(last)
+    assert loaded["w"][0] - loaded["global_step"] in (0.0, 100.0)  # one writer's, whole
