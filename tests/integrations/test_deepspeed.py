@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -264,3 +265,51 @@ def test_loading_a_tag_that_was_never_committed_raises_not_found(tmp_path: Path)
         with pytest.raises(ValueError, match="pass that directory"):
             engine.load_checkpoint(tmp_path / "other")
     assert engine.calls == []  # DeepSpeed's own load never ran
+
+
+def fake_save(ckpt, directory: Path, tag: str, files: dict[str, object]) -> None:
+    """What DeepSpeed's save_checkpoint does through the checkpoint engine, in one process."""
+    info = types.SimpleNamespace(tag=tag, save_dir=str(directory), save_latest=True)
+    engine = ckpt.engine.checkpoint_engine
+    engine.create(info)
+    for name, value in files.items():
+        engine.save(value, str(directory / tag / name))
+    assert engine.commit(info)
+
+
+def test_a_tag_picks_its_step_and_a_bad_one_raises_instead_of_falling_back(
+    tmp_path: Path,
+) -> None:
+    """In one process without DeepSpeed: the files DeepSpeed hands the checkpoint engine are
+    committed with a manifest, read back verified, and a crafted one is never unpickled."""
+    from stalwart.errors import CheckpointCorruptError
+    from stalwart.integrations.deepspeed import DeepSpeedCheckpointer
+
+    marker = tmp_path / "ran"
+    engine = FakeEngine()
+    read: list[object] = []
+
+    def deepspeed_load(load_dir, tag, **kwargs):
+        read.append(engine.checkpoint_engine.load(os.path.join(load_dir, tag, "model.pt")))
+        return os.path.join(load_dir, tag), {"client": 1}
+
+    run_dir = tmp_path / "run"
+    with DeepSpeedCheckpointer(engine, run_dir, keep_last=None) as ckpt:
+        ckpt.deepspeed_load = deepspeed_load
+        fake_save(ckpt, run_dir, "global_step2", {"model.pt": {"w": torch.ones(2)}})
+        fake_save(ckpt, run_dir, "global_step4", {"model.pt": {"w": RunsCode(marker)}})
+        assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(("step_", ".step"))) == [
+            "step_000000002",
+            "step_000000004",
+        ]
+
+        with pytest.raises(CheckpointCorruptError, match="weights_only"):
+            engine.load_checkpoint(run_dir, tag="global_step4")
+        assert (run_dir / "step_000000004").is_dir()  # named explicitly: reported, kept
+        assert read == []
+
+        path, client = engine.load_checkpoint(run_dir)  # newest that verifies: step 2
+        assert (path, client) == (str(run_dir / "step_000000002"), {"client": 1})
+        assert torch.equal(read[0]["w"], torch.ones(2))
+        assert len(list(run_dir.glob(".step_000000004.corrupt-*"))) == 1
+    assert not marker.exists()
