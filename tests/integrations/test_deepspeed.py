@@ -298,7 +298,9 @@ def test_a_tag_picks_its_step_and_a_bad_one_raises_instead_of_falling_back(
         ckpt.deepspeed_load = deepspeed_load
         fake_save(ckpt, run_dir, "global_step2", {"model.pt": {"w": torch.ones(2)}})
         fake_save(ckpt, run_dir, "global_step4", {"model.pt": {"w": RunsCode(marker)}})
-        assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(("step_", ".step"))) == [
+        assert sorted(
+            p.name for p in run_dir.iterdir() if p.name.startswith(("step_", ".step"))
+        ) == [
             "step_000000002",
             "step_000000004",
         ]

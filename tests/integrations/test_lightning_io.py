@@ -500,3 +500,23 @@ def test_two_writers_of_one_path_never_overwrite_each_others_commits(tmp_path: P
     verify_checkpoint(step_dir)
     loaded = StalwartCheckpointIO().load_checkpoint(last)
     assert loaded["w"][0] - loaded["global_step"] in (0.0, 100.0)  # one writer's, whole
+
+
+@pytest.mark.parametrize("damage", ["manifest", "foreign file"])
+def test_an_explicit_path_without_a_readable_manifest_never_falls_forward(
+    tmp_path: Path, damage: str
+) -> None:
+    """Its step is then the step=N of its name: the fallback goes back to 5, never on to 15."""
+    io = StalwartCheckpointIO()
+    for step in (5, 10, 15):
+        io.save_checkpoint(_checkpoint(step, float(step)), tmp_path / f"epoch=0-step={step}.ckpt")
+    requested = tmp_path / "epoch=0-step=10.ckpt"
+    if damage == "manifest":
+        flip_byte(requested / "step_000000010" / "MANIFEST.json", offset=40)
+    else:
+        for step_dir in requested.iterdir():
+            step_dir.rename(tmp_path / f".{step_dir.name}.gone")
+        requested.rmdir()
+        torch.save({"global_step": 10}, requested)
+
+    assert io.load_checkpoint(requested)["global_step"] == 5
