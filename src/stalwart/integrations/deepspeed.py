@@ -434,20 +434,20 @@ def _decode(step_path: Path, manifest: Manifest, relative: str, map_location: An
     """
     files = VerifiedFiles(step_path, manifest)
     try:
-        data = files.held(relative).view
-        try:
-            with _allowlisted():
-                return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-        except Exception as exc:
-            where = step_path / relative
-            detail = str(exc).strip().splitlines()
-            raise UnsafeCheckpointError(
-                f"{where}: refused by torch.load(weights_only=True): "
-                f"{detail[-1] if detail else type(exc).__name__}",
-                path=str(where),
-            ) from exc
+        data = io.BytesIO(files.held(relative).view)
     finally:
-        files.close()
+        files.close()  # the checked bytes live on in ``data`` only, while they are decoded
+    try:
+        with _allowlisted():
+            return torch.load(data, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        where = step_path / relative
+        detail = str(exc).strip().splitlines()
+        raise UnsafeCheckpointError(
+            f"{where}: refused by torch.load(weights_only=True): "
+            f"{detail[-1] if detail else type(exc).__name__}",
+            path=str(where),
+        ) from exc
 
 
 @contextmanager
