@@ -315,3 +315,35 @@ def test_a_tag_picks_its_step_and_a_bad_one_raises_instead_of_falling_back(
         assert torch.equal(read[0]["w"], torch.ones(2))
         assert len(list(run_dir.glob(".step_000000004.corrupt-*"))) == 1
     assert not marker.exists()
+
+
+def test_a_step_refused_in_both_tiers_is_passed_over_not_downloaded_forever(
+    tmp_path: Path,
+) -> None:
+    """The local copy of step 4 is refused and moved aside; the restore then offers the
+    durable copy, refused too: the load goes on to step 2 instead of looping."""
+    from stalwart.integrations.deepspeed import DeepSpeedCheckpointer
+
+    run_dir, store = tmp_path / "run", (tmp_path / "store").as_uri()
+    with DeepSpeedCheckpointer(FakeEngine(), run_dir, keep_last=None, durable=store) as ckpt:
+        fake_save(ckpt, run_dir, "global_step2", {"model.pt": {"w": torch.ones(2)}})
+        fake_save(ckpt, run_dir, "global_step4", {"model.pt": {"w": RunsCode(tmp_path / "ran")}})
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == [
+        "step_000000002",
+        "step_000000004",
+    ]
+
+    engine = FakeEngine()
+    with DeepSpeedCheckpointer(engine, run_dir, keep_last=None, durable=store) as ckpt:
+        restores = []
+        restore = ckpt.manager.restore
+
+        def counted(*args, **kwargs):
+            restores.append(kwargs.get("step"))
+            assert len(restores) < 6, f"restored again and again: {restores}"
+            return restore(*args, **kwargs)
+
+        ckpt.manager.restore = counted
+        assert engine.load_checkpoint(run_dir)[0] == str(run_dir / "step_000000002")
+    assert engine.calls == [("load", (str(run_dir),), {"tag": "step_000000002"})]
+    assert not (tmp_path / "ran").exists()

@@ -341,28 +341,49 @@ class DeepSpeedCheckpointer:
         The client state DeepSpeed returns is in ``client_state`` afterwards.
         """
         self.client_state = None
+        target, below = step, None
         while True:
-            restored = self.manager.restore(self.state, step=step)
-            if restored is None:
-                return None
-            path = self.storage.step_path(restored)
             try:
-                manifest = self.coord.agree(functools.partial(self._decodes, path))
+                restored = self.manager.restore(self.state, step=target)
             except CheckpointCorruptError as exc:
-                if exc.transient or step is not None:
+                if exc.transient or step is not None or target is None:
                     raise
-                logger.warning("step %d skipped: %s", restored, exc)
-                if self.coord.is_leader:
-                    self.storage.quarantine(restored)
-                continue
-            self.loading = (path.name, path, manifest)
-            try:
-                _path, self.client_state = self.deepspeed_load(
-                    str(self.directory), tag=path.name, **load_kwargs
-                )
-            finally:
-                self.loading = None
-            return restored
+                restored = None  # an older step picked below, bad in every copy: skipped, logged
+            else:
+                if restored is None:
+                    return None
+                path = self.storage.step_path(restored)
+                try:
+                    manifest = self.coord.agree(functools.partial(self._decodes, path))
+                except CheckpointCorruptError as exc:
+                    if exc.transient or step is not None:
+                        raise
+                    logger.warning("step %d skipped: %s", restored, exc)
+                    if self.coord.is_leader:
+                        self.storage.quarantine(restored)
+                else:
+                    self.loading = (path.name, path, manifest)
+                    try:
+                        _path, self.client_state = self.deepspeed_load(
+                            str(self.directory), tag=path.name, **load_kwargs
+                        )
+                    finally:
+                        self.loading = None
+                    return restored
+            # A step whose files do not decode is not tried again from another tier
+            # (the restore would hand back its durable copy forever): only older ones.
+            below = restored if restored is not None else target
+            older = [s for s in self._committed_everywhere() if below is None or s < below]
+            if not older:
+                return None
+            target = older[-1]
+
+    def _committed_everywhere(self) -> list[int]:
+        """Steps committed locally or in the durable tier, as rank 0 lists them; oldest first."""
+        local = self.storage.committed_steps()
+        tiers = self.manager._tiers  # rank 0's link to the durable tier (None elsewhere)
+        remote = tiers.committed_steps() if tiers is not None else []
+        return self.coord.broadcast(sorted(set(local) | set(remote)))
 
     def load_checkpoint(
         self, load_dir: str | os.PathLike[str], tag: str | None = None, **load_kwargs: Any
