@@ -463,10 +463,11 @@ def _decode(step_path: Path, manifest: Manifest, relative: str, map_location: An
             return torch.load(data, map_location=map_location, weights_only=True)
     except Exception as exc:
         where = step_path / relative
-        detail = str(exc).strip().splitlines()
+        # torch wraps the refusal (what was refused) in a page of advice: name the refusal.
+        detail = str(exc.__context__ or exc).strip().splitlines()
         raise UnsafeCheckpointError(
             f"{where}: refused by torch.load(weights_only=True): "
-            f"{detail[-1] if detail else type(exc).__name__}",
+            f"{detail[0] if detail else type(exc).__name__}",
             path=str(where),
         ) from exc
 
