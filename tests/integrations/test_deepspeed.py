@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -127,37 +128,24 @@ def test_a_crafted_pickle_with_a_matching_manifest_is_refused_and_never_run(
     assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=4)
 
 
+def killed_torchrun(tmp_path: Path, stage: int, *kill: str) -> subprocess.CompletedProcess[str]:
+    """An uninterrupted two-rank reference run (``ref.pt``), then the same run with ``kill``
+    (worker options) under torchrun with one restart (``resumed.pt``); the second's process."""
+    common = ("--stage", str(stage), "--steps", "6")
+
+    def launch(name: str, *extra: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
+        directory, out = str(tmp_path / name), str(tmp_path / f"{name}.pt")
+        return ok(torchrun(2, "--dir", directory, "--out", out, *common, *extra,
+                           restarts=restarts, script=WORKER))  # fmt: skip
+
+    launch("ref")
+    return launch("resumed", *kill, restarts=1)
+
+
 def test_torchrun_rank_killed_mid_run_resumes_bit_exactly(tmp_path: Path) -> None:
     """ZeRO 3 on two gloo ranks: rank 1 is SIGKILLed after step 5, torchrun restarts
     both, they resume from step 4 and end where an uninterrupted run ends."""
-    common = ("--stage", "3", "--steps", "6")
-    ok(
-        torchrun(
-            2,
-            "--dir",
-            str(tmp_path / "ref"),
-            "--out",
-            str(tmp_path / "ref.pt"),
-            *common,
-            script=WORKER,
-        )
-    )
-    proc = ok(
-        torchrun(
-            2,
-            "--dir",
-            str(tmp_path / "run"),
-            "--out",
-            str(tmp_path / "resumed.pt"),
-            *common,
-            "--kill-rank",
-            "1",
-            "--kill-after-step",
-            "5",
-            restarts=1,
-            script=WORKER,
-        )
-    )
+    proc = killed_torchrun(tmp_path, 3, "--kill-rank", "1", "--kill-after-step", "5")
     assert starts(proc) == [0, 0, 4, 4]
     assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=4)
 
@@ -167,34 +155,7 @@ def test_torchrun_rank_killed_between_shard_writes_leaves_latest_on_a_committed_
 ) -> None:
     """ZeRO 1: rank 1 dies before writing its optimizer shard of step 6's save. Step 6
     never commits, ``latest`` still names step 4, and the restart replays from 4 exactly."""
-    common = ("--stage", "1", "--steps", "6")
-    ok(
-        torchrun(
-            2,
-            "--dir",
-            str(tmp_path / "ref"),
-            "--out",
-            str(tmp_path / "ref.pt"),
-            *common,
-            script=WORKER,
-        )
-    )
-    proc = ok(
-        torchrun(
-            2,
-            "--dir",
-            str(tmp_path / "run"),
-            "--out",
-            str(tmp_path / "resumed.pt"),
-            *common,
-            "--kill-rank",
-            "1",
-            "--kill-in-save",
-            "6",
-            restarts=1,
-            script=WORKER,
-        )
-    )
+    proc = killed_torchrun(tmp_path, 1, "--kill-rank", "1", "--kill-in-save", "6")
     assert "latest global_step4 committed [2, 4]" in proc.stdout
     assert starts(proc) == [0, 0, 4, 4]
     assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=4)
@@ -245,3 +206,146 @@ def test_the_run_directory_must_be_local() -> None:
 
     with pytest.raises(ValueError, match="give an object store as durable= instead"):
         DeepSpeedCheckpointer(object(), "s3://bucket/run")
+
+
+@pytest.mark.parametrize(
+    "tag", ["global_step-1", "../x", "global_step../3", "global_step１２", "", "12 ", "12\n"]
+)
+def test_a_tag_that_is_not_a_plain_step_is_refused(tag: str) -> None:
+    from stalwart.integrations.deepspeed import step_of_tag
+
+    with pytest.raises(ValueError, match="names no step"):
+        step_of_tag(tag)
+
+
+class FakeEngine:
+    """The two methods ``DeepSpeedCheckpointer`` replaces, recording what reaches DeepSpeed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def save_checkpoint(self, *args, **kwargs):
+        self.calls.append(("save", args, kwargs))
+
+    def load_checkpoint(self, *args, **kwargs):
+        self.calls.append(("load", args, kwargs))
+        return None, None
+
+
+def test_a_client_state_a_load_would_refuse_is_refused_before_deepspeed_writes(
+    tmp_path: Path,
+) -> None:
+    """torch.load(weights_only=True) refuses such an object at the next resume, which
+    would skip every checkpoint saved with it: the save names the key instead."""
+    from stalwart.integrations.deepspeed import DeepSpeedCheckpointer
+
+    engine = FakeEngine()
+    with DeepSpeedCheckpointer(engine, tmp_path) as ckpt:
+        with pytest.raises(TypeError, match=r"\['client_state'\]\['sched'\] is a .*Path"):
+            engine.save_checkpoint(tmp_path, client_state={"step": 3, "sched": tmp_path})
+        assert engine.calls == []
+        engine.save_checkpoint(tmp_path, tag="global_step3", client_state={"step": 3})
+        assert engine.calls == [
+            ("save", (tmp_path,), {"tag": "global_step3", "client_state": {"step": 3}})
+        ]
+        assert ckpt.deepspeed_save != engine.save_checkpoint
+
+
+def test_loading_a_tag_that_was_never_committed_raises_not_found(tmp_path: Path) -> None:
+    from stalwart.errors import CheckpointNotFoundError
+    from stalwart.integrations.deepspeed import DeepSpeedCheckpointer
+
+    engine = FakeEngine()
+    with DeepSpeedCheckpointer(engine, tmp_path):
+        assert engine.load_checkpoint(tmp_path) == (None, None)
+        with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint of step 7"):
+            engine.load_checkpoint(tmp_path, tag="global_step7")
+        with pytest.raises(ValueError, match="names no step"):
+            engine.load_checkpoint(tmp_path, tag="../global_step7")
+        with pytest.raises(ValueError, match="pass that directory"):
+            engine.load_checkpoint(tmp_path / "other")
+    assert engine.calls == []  # DeepSpeed's own load never ran
+
+
+def fake_save(ckpt, directory: Path, tag: str, files: dict[str, object]) -> None:
+    """What DeepSpeed's save_checkpoint does through the checkpoint engine, in one process."""
+    info = types.SimpleNamespace(tag=tag, save_dir=str(directory), save_latest=True)
+    engine = ckpt.engine.checkpoint_engine
+    engine.create(info)
+    for name, value in files.items():
+        engine.save(value, str(directory / tag / name))
+    assert engine.commit(info)
+
+
+def test_a_tag_picks_its_step_and_a_bad_one_raises_instead_of_falling_back(
+    tmp_path: Path,
+) -> None:
+    """In one process without DeepSpeed: the files DeepSpeed hands the checkpoint engine are
+    committed with a manifest, read back verified, and a crafted one is never unpickled."""
+    from stalwart.errors import CheckpointCorruptError
+    from stalwart.integrations.deepspeed import DeepSpeedCheckpointer
+
+    marker = tmp_path / "ran"
+    engine = FakeEngine()
+    read: list[object] = []
+
+    def deepspeed_load(load_dir, tag, **kwargs):
+        read.append(engine.checkpoint_engine.load(os.path.join(load_dir, tag, "model.pt")))
+        return os.path.join(load_dir, tag), {"client": 1}
+
+    run_dir = tmp_path / "run"
+    with DeepSpeedCheckpointer(engine, run_dir, keep_last=None) as ckpt:
+        ckpt.deepspeed_load = deepspeed_load
+        fake_save(ckpt, run_dir, "global_step2", {"model.pt": {"w": torch.ones(2)}})
+        fake_save(ckpt, run_dir, "global_step4", {"model.pt": {"w": RunsCode(marker)}})
+        assert sorted(
+            p.name for p in run_dir.iterdir() if p.name.startswith(("step_", ".step"))
+        ) == [
+            "step_000000002",
+            "step_000000004",
+        ]
+
+        with pytest.raises(
+            CheckpointCorruptError, match=r"weights_only.*Unsupported global: GLOBAL exec"
+        ):
+            engine.load_checkpoint(run_dir, tag="global_step4")
+        assert (run_dir / "step_000000004").is_dir()  # named explicitly: reported, kept
+        assert read == []
+
+        path, client = engine.load_checkpoint(run_dir)  # newest that verifies: step 2
+        assert (path, client) == (str(run_dir / "step_000000002"), {"client": 1})
+        assert torch.equal(read[0]["w"], torch.ones(2))
+        assert len(list(run_dir.glob(".step_000000004.corrupt-*"))) == 1
+    assert not marker.exists()
+
+
+def test_a_step_refused_in_both_tiers_is_passed_over_not_downloaded_forever(
+    tmp_path: Path,
+) -> None:
+    """The local copy of step 4 is refused and moved aside; the restore then offers the
+    durable copy, refused too: the load goes on to step 2 instead of looping."""
+    from stalwart.integrations.deepspeed import DeepSpeedCheckpointer
+
+    run_dir, store = tmp_path / "run", (tmp_path / "store").as_uri()
+    with DeepSpeedCheckpointer(FakeEngine(), run_dir, keep_last=None, durable=store) as ckpt:
+        fake_save(ckpt, run_dir, "global_step2", {"model.pt": {"w": torch.ones(2)}})
+        fake_save(ckpt, run_dir, "global_step4", {"model.pt": {"w": RunsCode(tmp_path / "ran")}})
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == [
+        "step_000000002",
+        "step_000000004",
+    ]
+
+    engine = FakeEngine()
+    with DeepSpeedCheckpointer(engine, run_dir, keep_last=None, durable=store) as ckpt:
+        restores = []
+        restore = ckpt.manager.restore
+
+        def counted(*args, **kwargs):
+            restores.append(kwargs.get("step"))
+            assert len(restores) < 6, f"restored again and again: {restores}"
+            return restore(*args, **kwargs)
+
+        ckpt.manager.restore = counted
+        assert engine.load_checkpoint(run_dir)[0] == str(run_dir / "step_000000002")
+    assert engine.calls == [("load", (str(run_dir),), {"tag": "step_000000002"})]
+    assert not (tmp_path / "ran").exists()

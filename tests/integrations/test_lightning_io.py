@@ -416,3 +416,107 @@ def test_a_crafted_last_ckpt_claiming_an_old_step_still_falls_back_to_the_newest
     flip_byte(_data_file(tmp_path / "last-v1.ckpt"))  # damaged, and claims step 0
 
     assert io.load_checkpoint(tmp_path / "last-v1.ckpt")["global_step"] == 10
+
+
+# ---------------------------------------------------------------- hostile layouts
+
+
+def test_a_last_ckpt_linked_to_another_directory_is_never_read_nor_written_through(
+    tmp_path: Path,
+) -> None:
+    """A link named last.ckpt to a valid, newer checkpoint elsewhere: the load falls back
+    to the checkpoints of dirpath, and a save moves the link aside, leaving the target be."""
+    io = StalwartCheckpointIO()
+    elsewhere, dirpath = tmp_path / "elsewhere", tmp_path / "ckpt"
+    io.save_checkpoint(_checkpoint(99, 99.0), elsewhere / "last.ckpt")
+    io.save_checkpoint(_checkpoint(5, 5.0), dirpath / "epoch=0-step=5.ckpt")
+    (dirpath / "last.ckpt").symlink_to(elsewhere / "last.ckpt", target_is_directory=True)
+    before = sorted(p.name for p in (elsewhere / "last.ckpt").iterdir())
+
+    assert io.load_checkpoint(dirpath / "last.ckpt")["global_step"] == 5
+
+    io.save_checkpoint(_checkpoint(6, 6.0), dirpath / "last.ckpt")
+    assert not (dirpath / "last.ckpt").is_symlink()
+    assert io.load_checkpoint(dirpath / "last.ckpt")["global_step"] == 6
+    assert sorted(p.name for p in (elsewhere / "last.ckpt").iterdir()) == before
+    io.remove_checkpoint(next(dirpath.glob(".last.ckpt.foreign-*")))  # the link, not its target
+    assert io.load_checkpoint(elsewhere / "last.ckpt")["global_step"] == 99
+
+
+def test_a_step_linked_in_from_outside_dirpath_is_not_a_checkpoint_of_it(tmp_path: Path) -> None:
+    io = StalwartCheckpointIO()
+    io.save_checkpoint(_checkpoint(99, 99.0), tmp_path / "elsewhere.ckpt")
+    io.save_checkpoint(_checkpoint(5, 5.0), tmp_path / "ckpt" / "last.ckpt")
+    (tmp_path / "ckpt" / "last.ckpt" / "step_000000099").symlink_to(
+        tmp_path / "elsewhere.ckpt" / "step_000000099", target_is_directory=True
+    )
+
+    assert io.load_checkpoint(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 5
+
+
+def test_a_step_with_a_huge_manifest_is_skipped_without_reading_it(tmp_path: Path) -> None:
+    """A crafted step whose MANIFEST.json is 16 GiB (sparse): refused by its size, then fallback."""
+    io = StalwartCheckpointIO()
+    io.save_checkpoint(_checkpoint(5, 5.0), tmp_path / "epoch=0-step=5.ckpt")
+    crafted = tmp_path / "last.ckpt" / "step_000000099"
+    crafted.mkdir(parents=True)
+    with open(crafted / "MANIFEST.json", "wb") as f:
+        f.truncate(16 << 30)
+
+    t0 = time.perf_counter()
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 5
+    assert time.perf_counter() - t0 < 10
+
+
+def test_two_writers_of_one_path_never_overwrite_each_others_commits(tmp_path: Path) -> None:
+    """No lock: two plugins saving last.ckpt at once race for each step. The loser's save
+    fails with CheckpointSaveError; what is committed is always whole and loads back."""
+    import threading
+
+    from stalwart.errors import CheckpointSaveError
+
+    last, errors = tmp_path / "last.ckpt", []
+
+    def writer(who: float) -> None:
+        io = StalwartCheckpointIO()
+        for step in range(12):
+            try:
+                io.save_checkpoint({"global_step": step, "w": torch.full((8,), who + step)}, last)
+            except Exception as exc:  # anything else fails the test below
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=writer, args=(who,)) for who in (0.0, 100.0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert all(
+        e.startswith(CheckpointSaveError.__name__)
+        and ("already exists" in e or "another writer" in e)
+        for e in errors
+    ), errors
+    (step_dir,) = last.glob("step_*")
+    verify_checkpoint(step_dir)
+    loaded = StalwartCheckpointIO().load_checkpoint(last)
+    assert loaded["w"][0] - loaded["global_step"] in (0.0, 100.0)  # one writer's, whole
+
+
+@pytest.mark.parametrize("damage", ["manifest", "foreign file"])
+def test_an_explicit_path_without_a_readable_manifest_never_falls_forward(
+    tmp_path: Path, damage: str
+) -> None:
+    """Its step is then the step=N of its name: the fallback goes back to 5, never on to 15."""
+    io = StalwartCheckpointIO()
+    for step in (5, 10, 15):
+        io.save_checkpoint(_checkpoint(step, float(step)), tmp_path / f"epoch=0-step={step}.ckpt")
+    requested = tmp_path / "epoch=0-step=10.ckpt"
+    if damage == "manifest":
+        flip_byte(requested / "step_000000010" / "MANIFEST.json", offset=40)
+    else:
+        for step_dir in requested.iterdir():
+            step_dir.rename(tmp_path / f".{step_dir.name}.gone")
+        requested.rmdir()
+        torch.save({"global_step": 10}, requested)
+
+    assert io.load_checkpoint(requested)["global_step"] == 5

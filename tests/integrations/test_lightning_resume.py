@@ -96,7 +96,8 @@ def test_without_exact_resume_the_same_kill_diverges(
 ) -> None:
     """The control: Lightning alone restores weights and data position, not the RNG."""
     resumed = tmp_path / "out"
-    _run("--dir", tmp_path / "ck", "--out", resumed, "--no-exact", "--kill-at", 13)
+    killed = _run("--dir", tmp_path / "ck", "--out", resumed, "--no-exact", "--kill-at", 13)
+    assert killed.returncode == -9, killed.stderr[-2000:]  # the divergence is the resume's
     ok(_run("--dir", tmp_path / "ck", "--out", resumed, "--no-exact"))
     with pytest.raises(AssertionError, match="differs"):
         _assert_bit_identical(straight("resumable"), resumed, 1)

@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
@@ -64,9 +63,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from stalwart.distributed import Coordinator
 from stalwart.errors import CheckpointCorruptError, CheckpointSaveError, UnsafeCheckpointError
 from stalwart.manager import CheckpointManager
-from stalwart.manifest import Manifest, open_checkpoint_file
+from stalwart.manifest import Manifest
 from stalwart.pipeline import read_manifest
+from stalwart.reader import VerifiedFiles
 from stalwart.state import TrainState
+from stalwart.state.plain import check_plain
 from stalwart.storage.local import LocalStorage
 
 __all__ = [
@@ -79,9 +80,7 @@ __all__ = [
 
 logger = logging.getLogger("stalwart")
 
-_TAG_STEP = re.compile(r"^(?:global_step)?(\d+)$")
-_MAX_FILE_BYTES = 1 << 40
-"""No DeepSpeed file of a checkpoint is read into memory past this size (a manifest lies)."""
+_TAG_STEP = re.compile(r"(?:global_step)?([0-9]+)")
 
 
 def step_of_tag(tag: str) -> int:
@@ -90,7 +89,7 @@ def step_of_tag(tag: str) -> int:
     A stalwart checkpoint is identified by its step; other tags are refused
     with ``ValueError`` rather than mapped to a guess.
     """
-    m = _TAG_STEP.match(str(tag))
+    m = _TAG_STEP.fullmatch(str(tag))
     if m is None:
         raise ValueError(
             f"DeepSpeed tag {tag!r} names no step: stalwart keeps one checkpoint per step, so "
@@ -240,12 +239,33 @@ class DeepSpeedCheckpointer:
         """What ``engine.load_checkpoint`` returned as client state in the last ``load()``."""
         self.deepspeed_load = engine.load_checkpoint
         """DeepSpeed's own ``load_checkpoint``, which ``load`` calls once the files are verified."""
+        self.deepspeed_save = engine.save_checkpoint
+        """DeepSpeed's own ``save_checkpoint``, which ``save_checkpoint`` calls once checked."""
         engine.checkpoint_engine = StalwartCheckpointEngine(self)
-        # The instance attribute shadows the class's method: the user's unchanged
-        # engine.load_checkpoint(directory) now verifies and falls back.
+        # The instance attributes shadow the class's methods: the user's unchanged
+        # engine.load_checkpoint(directory) now verifies and falls back, and
+        # engine.save_checkpoint refuses a client state a load would refuse.
         engine.load_checkpoint = self.load_checkpoint
+        engine.save_checkpoint = self.save_checkpoint
 
     # ------------------------------------------------------------------ save
+
+    def save_checkpoint(
+        self, save_dir: str | os.PathLike[str], tag: Any = None, client_state: Any = None,
+        **save_kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """``engine.save_checkpoint`` once installed: DeepSpeed's, after checking ``client_state``.
+
+        DeepSpeed pickles the client state into its model-states file; a load
+        decodes that file with ``torch.load(weights_only=True)``, which refuses
+        any object but tensors and plain data. Saved, such a value would make
+        every checkpoint after it be skipped as unsafe at the next resume, so it
+        is refused here, before anything is written (``TypeError`` naming its key).
+        """
+        if client_state is None:
+            client_state = {}
+        check_plain({"client_state": client_state}, "")
+        return self.deepspeed_save(save_dir, tag=tag, client_state=client_state, **save_kwargs)
 
     def begin_save(self, tag: str, save_dir: Path) -> None:
         """``create``: rank 0 makes the staging directory of ``tag``'s step; collective."""
@@ -321,28 +341,49 @@ class DeepSpeedCheckpointer:
         The client state DeepSpeed returns is in ``client_state`` afterwards.
         """
         self.client_state = None
+        target, below = step, None
         while True:
-            restored = self.manager.restore(self.state, step=step)
-            if restored is None:
-                return None
-            path = self.storage.step_path(restored)
             try:
-                manifest = self.coord.agree(functools.partial(self._decodes, path))
+                restored = self.manager.restore(self.state, step=target)
             except CheckpointCorruptError as exc:
-                if exc.transient or step is not None:
+                if exc.transient or step is not None or target is None:
                     raise
-                logger.warning("step %d skipped: %s", restored, exc)
-                if self.coord.is_leader:
-                    self.storage.quarantine(restored)
-                continue
-            self.loading = (path.name, path, manifest)
-            try:
-                _path, self.client_state = self.deepspeed_load(
-                    str(self.directory), tag=path.name, **load_kwargs
-                )
-            finally:
-                self.loading = None
-            return restored
+                restored = None  # an older step picked below, bad in every copy: skipped, logged
+            else:
+                if restored is None:
+                    return None
+                path = self.storage.step_path(restored)
+                try:
+                    manifest = self.coord.agree(functools.partial(self._decodes, path))
+                except CheckpointCorruptError as exc:
+                    if exc.transient or step is not None:
+                        raise
+                    logger.warning("step %d skipped: %s", restored, exc)
+                    if self.coord.is_leader:
+                        self.storage.quarantine(restored)
+                else:
+                    self.loading = (path.name, path, manifest)
+                    try:
+                        _path, self.client_state = self.deepspeed_load(
+                            str(self.directory), tag=path.name, **load_kwargs
+                        )
+                    finally:
+                        self.loading = None
+                    return restored
+            # A step whose files do not decode is not tried again from another tier
+            # (the restore would hand back its durable copy forever): only older ones.
+            below = restored if restored is not None else target
+            older = [s for s in self._committed_everywhere() if below is None or s < below]
+            if not older:
+                return None
+            target = older[-1]
+
+    def _committed_everywhere(self) -> list[int]:
+        """Steps committed locally or in the durable tier, as rank 0 lists them; oldest first."""
+        local = self.storage.committed_steps()
+        tiers = self.manager._tiers  # rank 0's link to the durable tier (None elsewhere)
+        remote = tiers.committed_steps() if tiers is not None else []
+        return self.coord.broadcast(sorted(set(local) | set(remote)))
 
     def load_checkpoint(
         self, load_dir: str | os.PathLike[str], tag: str | None = None, **load_kwargs: Any
@@ -406,37 +447,27 @@ class DeepSpeedCheckpointer:
 def _decode(step_path: Path, manifest: Manifest, relative: str, map_location: Any) -> Any:
     """Read ``relative`` of a committed step, check it against ``manifest``, decode it safely.
 
-    The bytes that are checked are the bytes decoded (read once, into memory):
-    a file changed after verification cannot slip in. Raises
-    ``CheckpointCorruptError`` for a file the manifest does not list, another
-    size or checksum, or content ``torch.load(weights_only=True)`` refuses.
+    ``VerifiedFiles`` reads it once into memory and checks size and xxh3-128
+    there: the bytes that are checked are the bytes decoded, so a file changed
+    after verification cannot slip in. Raises ``CheckpointCorruptError`` for a
+    file the manifest does not list, another size or checksum (``transient``
+    when it cannot be read), or content ``torch.load(weights_only=True)`` refuses.
     """
-    entry = next((e for e in manifest.files if e.path == relative), None)
-    where = step_path / relative
-    if entry is None:
-        raise CheckpointCorruptError(f"{where}: not listed in the manifest", path=str(where))
-    if entry.size > _MAX_FILE_BYTES:
-        raise CheckpointCorruptError(f"{where}: implausible size {entry.size}", path=str(where))
+    files = VerifiedFiles(step_path, manifest)
     try:
-        with open_checkpoint_file(step_path, relative) as (f, size):
-            data = f.read(entry.size + 1) if size == entry.size else b""
-    except OSError as exc:
-        # Unreadable says nothing about the bytes: transient, the checkpoint is kept.
-        raise CheckpointCorruptError(
-            f"{where}: cannot be read: {exc}", path=str(where), transient=True
-        ) from exc
-    if len(data) != entry.size or xxhash.xxh3_128(data).hexdigest() != entry.xxh3_128:
-        raise CheckpointCorruptError(
-            f"{where}: does not match its manifest (size or xxh3-128 differs)", path=str(where)
-        )
+        data = io.BytesIO(files.held(relative).view)
+    finally:
+        files.close()  # the checked bytes live on in ``data`` only, while they are decoded
     try:
         with _allowlisted():
-            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+            return torch.load(data, map_location=map_location, weights_only=True)
     except Exception as exc:
-        detail = str(exc).strip().splitlines()
+        where = step_path / relative
+        # torch wraps the refusal (what was refused) in a page of advice: name the refusal.
+        detail = str(exc.__context__ or exc).strip().splitlines()
         raise UnsafeCheckpointError(
             f"{where}: refused by torch.load(weights_only=True): "
-            f"{detail[-1] if detail else type(exc).__name__}",
+            f"{detail[0] if detail else type(exc).__name__}",
             path=str(where),
         ) from exc
 

@@ -72,6 +72,8 @@ __all__ = ["ExactResume", "StalwartCheckpointIO"]
 
 _LAST = re.compile(r"^last(-v?\d+)?$")
 """Names ModelCheckpoint gives its last checkpoint (``last``, ``last-v1``), without ``.ckpt``."""
+_NAMED_STEP = re.compile(r"(?:^|[-_])step=([0-9]+)(?:$|[-_])")
+"""The global step in a ModelCheckpoint file name (``epoch=0-step=20``), without ``.ckpt``."""
 
 logger = logging.getLogger("stalwart")
 
@@ -419,17 +421,23 @@ def _candidates(requested: Path, skipped: list[str]) -> Iterator[Path]:
     """Step directories to try for ``requested``: its own steps, then siblings, newest first.
 
     For an explicit path the siblings are those not newer than it (a fallback
-    goes back, never forward). ``last.ckpt`` / ``last-vN.ckpt`` stand for "the
-    newest", and a crafted one may claim any step, so for them every sibling
-    qualifies.
+    goes back, never forward): than its manifest's global step or, when no
+    manifest of it can be read, than the ``step=N`` in its name (without
+    either, every sibling qualifies). ``last.ckpt`` / ``last-vN.ckpt`` stand
+    for "the newest", and a crafted one may claim any step, so for them every
+    sibling qualifies.
     """
     own = _committed(requested)
     if not own:
         _skip(skipped, requested, "not a committed stalwart checkpoint (no step with a manifest)")
     yield from own
-    newest = None
+    newest: int | None = None
     if not _LAST.match(requested.stem):
-        newest = next((k for k in map(_order_key, own) if k is not None), None)
+        # Its own manifest says which global step it holds; when none can be read
+        # (damaged, or a foreign file), the step=N ModelCheckpoint put in its name.
+        newest = next((k[0] for k in map(_order_key, own) if k is not None), None)
+        if newest is None and (named := _NAMED_STEP.search(requested.stem)) is not None:
+            newest = int(named.group(1))
     siblings: list[tuple[tuple[int, float], Path]] = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(requested.parent):
@@ -440,7 +448,7 @@ def _candidates(requested: Path, skipped: list[str]) -> Iterator[Path]:
                 key = _order_key(step_dir)
                 if key is None:
                     _skip(skipped, step_dir, "its manifest cannot be read")
-                elif newest is None or key[0] <= newest[0]:
+                elif newest is None or key[0] <= newest:
                     siblings.append((key, step_dir))
     siblings.sort(key=lambda item: item[0], reverse=True)
     yield from (step_dir for _key, step_dir in siblings)
