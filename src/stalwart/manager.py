@@ -212,12 +212,12 @@ class CheckpointManager:
             keep_every=keep_every,
             durable=self.durable_url,
         )
-        self._tiers: TierSync | None = None
+        self.tiers: TierSync | None = None
         """The link to the durable tier, on the rank that commits (None: no tier, or another rank)."""
         if opened is not None:
             assert self.durable is not None and self.durable_retention is not None
             tier, durable_steps, down = opened
-            self._tiers = TierSync(
+            self.tiers = TierSync(
                 tier,
                 self.storage,
                 self.events,
@@ -227,7 +227,7 @@ class CheckpointManager:
                 down=down,
                 on_durable=self._writer.apply_retention,
             )
-            self._writer.tiers = self._tiers
+            self._writer.tiers = self.tiers
 
     # ------------------------------------------------------------------ setup
 
@@ -347,7 +347,7 @@ class CheckpointManager:
             beat(step)
         if self._saver is not None and not self._saver.busy:
             self._saver.wait()  # surface a failure of the previous background save now
-        uploader = None if self._tiers is None else self._tiers.uploader
+        uploader = None if self.tiers is None else self.tiers.uploader
         self._certificate.record(step, state.components.get("data"), metrics_json)
         due_here = force or self.should_save(step)
         try:
@@ -420,7 +420,7 @@ class CheckpointManager:
             self.storage,
             self._coord,
             self.events,
-            tiers=self._tiers,
+            tiers=self.tiers,
             directory=self.directory,
             durable_url=self.durable_url,
         )
@@ -478,19 +478,19 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        if self._tiers is None:
+        if self.tiers is None:
             return True
-        return self._tiers.uploader.wait(timeout)
+        return self.tiers.uploader.wait(timeout)
 
     @property
     def last_durable_step(self) -> int | None:
         """Newest step known to be committed in the durable tier (None: none yet, or no tier)."""
-        return None if self._tiers is None else self._tiers.uploader.last_durable_step
+        return None if self.tiers is None else self.tiers.uploader.last_durable_step
 
     @property
     def pending_uploads(self) -> list[int]:
         """Committed steps queued for, or being, uploaded to the durable tier (oldest first)."""
-        return [] if self._tiers is None else self._tiers.uploader.pending
+        return [] if self.tiers is None else self.tiers.uploader.pending
 
     def close(self) -> None:
         """Wait for an in-flight save, remove signal handlers, release the run directory. Idempotent."""
@@ -516,8 +516,8 @@ class CheckpointManager:
                     coord.destroy()
 
     def _finish_uploads(self) -> None:
-        if self._tiers is not None:
-            self._tiers.close(self.latest_step(), self.directory)
+        if self.tiers is not None:
+            self.tiers.close(self.latest_step(), self.directory)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -381,7 +381,7 @@ class DeepSpeedCheckpointer:
     def _committed_everywhere(self) -> list[int]:
         """Steps committed locally or in the durable tier, as rank 0 lists them; oldest first."""
         local = self.storage.committed_steps()
-        tiers = self.manager._tiers  # rank 0's link to the durable tier (None elsewhere)
+        tiers = self.manager.tiers  # rank 0's link to the durable tier (None elsewhere)
         remote = tiers.committed_steps() if tiers is not None else []
         return self.coord.broadcast(sorted(set(local) | set(remote)))
 
