@@ -25,6 +25,7 @@ import collections
 import concurrent.futures
 import functools
 import io
+import mmap
 import os
 import pickle
 import struct
@@ -62,6 +63,9 @@ _METADATA = ".metadata"
 _CHUNK = 8 * 1024 * 1024
 """Bytes per read call."""
 
+_POPULATE_MIN = 2 * 1024 * 1024
+"""Files from this size up are read into memory faulted in by one call."""
+
 
 class _Held:
     """One file's bytes, read into memory once.
@@ -75,22 +79,38 @@ class _Held:
     __slots__ = ("view",)
 
     def __init__(self, stream: io.FileIO, size: int) -> None:
-        self.view = memoryview(_read_whole(stream, size)) if size else memoryview(b"")
+        self.view = _read_whole(stream, size) if size else memoryview(b"")
 
 
-def _read_whole(stream: io.FileIO, size: int) -> bytearray:
+def _buffer(size: int) -> mmap.mmap | bytearray:
+    """Fresh memory for ``size`` bytes, its pages faulted in by one call.
+
+    Faulting in fresh pages one by one costs more than the read itself
+    (measured for 256 MiB: 184 ms into a bytearray, 112 ms into anonymous
+    memory mapped with MAP_POPULATE, 47 ms into an already-touched buffer;
+    huge pages were faster when free and ten times slower when the kernel had
+    to compact for them, so they are not asked for). The memory is anonymous:
+    the file is read into it, never mapped.
+    """
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if size >= _POPULATE_MIN and populate:
+        try:
+            return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+        except (OSError, ValueError):
+            pass  # refused (strict overcommit): a bytearray says MemoryError
+    return bytearray(size)
+
+
+def _read_whole(stream: io.FileIO, size: int) -> memoryview:
     """``size`` bytes of ``stream`` (fewer if it is shorter now: a size problem)."""
-    data = bytearray(size)
-    view = memoryview(data)
+    view = memoryview(_buffer(size))
     done = 0
     while done < size:
         n = stream.readinto(view[done : done + _CHUNK])
         if not n:
-            del view
-            del data[done:]
-            break
+            return view[:done]
         done += n
-    return data
+    return view
 
 
 class VerifiedFiles:
