@@ -83,8 +83,14 @@ def find_weed() -> str:
     return found
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports this process already gave a server: a port the server has not bound (yet, or
+ever: SeaweedFS opens some lazily) looks free to the kernel but is not."""
+
+
 def free_ports(count: int, *, grpc_offset: int | None = None) -> list[int]:
-    """Return ``count`` distinct TCP ports on 127.0.0.1 that are free right now.
+    """Return ``count`` distinct TCP ports on 127.0.0.1 that are free right now and were
+    never returned before in this process.
 
     All probe sockets stay bound until every port is chosen, so the ports are distinct
     from each other. With ``grpc_offset``, ``port + grpc_offset`` is also checked to be
@@ -99,9 +105,11 @@ def free_ports(count: int, *, grpc_offset: int | None = None) -> list[int]:
             held.append(sock)
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
+            if port in _HANDED_OUT:
+                continue
             if grpc_offset is not None:
                 partner = port + grpc_offset
-                if partner > 65535 or partner in ports:
+                if partner > 65535 or partner in ports or partner in _HANDED_OUT:
                     continue
                 probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 held.append(probe)
@@ -113,6 +121,9 @@ def free_ports(count: int, *, grpc_offset: int | None = None) -> list[int]:
     finally:
         for sock in held:
             sock.close()
+    _HANDED_OUT.update(ports)
+    if grpc_offset is not None:
+        _HANDED_OUT.update(port + grpc_offset for port in ports)
     return ports
 
 
