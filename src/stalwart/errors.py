@@ -54,13 +54,16 @@ class CheckpointCorruptError(StalwartError, ValueError):
 
     ``path`` names the offending file when one is known. ``transient`` is True
     when the file could not be read at all (an I/O error that may pass), as
-    opposed to content that is definitely wrong.
+    opposed to content that is definitely wrong. ``live_modified`` is True when
+    it was found while values were being read into the live tensors (a file
+    changed or cut short after its check), which may then hold part of them.
     """
 
     def __init__(self, message: str, *, path: str | None = None, transient: bool = False) -> None:
         super().__init__(message)
         self.path = path
         self.transient = transient
+        self.live_modified = False
 
 
 class UnsafeCheckpointError(CheckpointCorruptError):

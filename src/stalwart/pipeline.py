@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from stalwart.distributed import Coordinator, RankError
 from stalwart.errors import (
+    CheckpointCorruptError,
     CheckpointSaveError,
     CoordinationError,
     StalwartError,
@@ -416,7 +417,14 @@ def load_checkpoint(
         read(staged)
         _agree(coord, lambda: plan.check(staged))
         in_place = plan.in_place()
-        read(in_place)
+        try:
+            read(in_place)
+        except CheckpointCorruptError as exc:
+            # Found while reading into the live tensors (a file written to or cut
+            # short after its check, an I/O error): some may hold this checkpoint's
+            # values already. The caller must not take the state as untouched.
+            exc.live_modified = True
+            raise
     except BaseException:
         # Another rank's failure reaches this one here too: its plan, which
         # passed its own check, undoes what it did to the live objects.

@@ -31,7 +31,7 @@ import pickle
 import struct
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from stalwart.dcp_metadata import metadata_from_bytes
 from stalwart.errors import CheckpointCorruptError
 from stalwart.manifest import Manifest, open_checkpoint_file
 from stalwart.safe_load import SafeFileSystemReader, read_dcp_metadata
+from stalwart.streamed import Span, StreamedFile, keep_spans, stream_check
 from stalwart.verify import (
     VERIFY_THREADS,
     FileProblem,
@@ -114,12 +115,18 @@ def _read_whole(stream: io.FileIO, size: int) -> memoryview:
 
 
 class VerifiedFiles:
-    """The files of one checkpoint, each read from disk once and checked against the
-    manifest (size, then xxh3-128) in memory before anything may use it.
+    """The files of one checkpoint, each checked against the manifest (size, then
+    xxh3-128) before anything may use it.
 
-    Holds what it read until ``close``: at most every file of the checkpoint,
-    so a restore's extra memory is at most one checkpoint's size. ``verify``
-    and ``held`` may be called from any thread.
+    Two ways to check a file. ``verify`` reads it whole into memory and hashes
+    it there; ``held`` gives those bytes. ``stream`` (restore's data files, once
+    ``keep`` gave the spans its decoders need) hashes it through two reused
+    buffers and keeps only those spans; ``streamed`` gives the open, checked
+    file (``stalwart.streamed``), from which raw tensor data is read straight
+    into place. Held bytes are at most the checkpoint's size; streamed files
+    cost two chunk buffers and their kept spans. ``verify``, ``stream``,
+    ``held`` and ``streamed`` may be called from any thread; ``close`` lets go
+    of everything.
     """
 
     def __init__(self, directory: Path, manifest: Manifest) -> None:
@@ -127,9 +134,23 @@ class VerifiedFiles:
         self.manifest = manifest
         self._entries = {entry.path: entry for entry in manifest.files}
         self._held: dict[str, _Held] = {}
+        self._streamed: dict[str, StreamedFile] = {}
+        self._spans: dict[str, list[Span]] = {}
         self._lock = threading.Lock()
         self.reads: collections.Counter[str] = collections.Counter()
-        """How many times each file was read from disk (once, unless it was bad)."""
+        """How many times each file was checked from disk (once, unless it was bad or
+        a streamed file held an item only a whole read can decode)."""
+
+    def keep(self, metadata: Metadata) -> None:
+        """Learn from the (checked) DCP metadata which spans of each data file its
+        decoders will read, so that ``stream`` keeps them (the first call counts)."""
+        if self._spans:
+            return
+        items: dict[str, list[tuple[int, int]]] = {}
+        for info in metadata.storage_data.values():
+            items.setdefault(info.relative_path, []).append((info.offset, info.length))
+        with self._lock:
+            self._spans = {name: keep_spans(found) for name, found in items.items()}
 
     def verify(self, names: Iterable[str]) -> None:
         """Read and check each of ``names`` not held yet, several files side by side.
@@ -139,19 +160,59 @@ class VerifiedFiles:
         """
         with self._lock:
             todo = [name for name in dict.fromkeys(names) if name not in self._held]
+        self._check(todo, self._read, self._held)
+
+    def stream(self, names: Iterable[str]) -> None:
+        """Check each of ``names`` neither held nor streamed yet by streaming it; as
+        ``verify`` otherwise (the same errors)."""
+        with self._lock:
+            todo = [
+                name
+                for name in dict.fromkeys(names)
+                if name not in self._held and name not in self._streamed
+            ]
+        self._check(todo, self._stream, self._streamed)
+
+    def streamed(self, name: str) -> StreamedFile | None:
+        """The streamed, checked file ``name``; None if it was held instead."""
+        with self._lock:
+            return self._streamed.get(name)
+
+    def _check(self, todo: list[str], check: Callable[[str], Any], into: dict[str, Any]) -> None:
         if not todo:
             return
         workers = min(len(todo), VERIFY_THREADS)
         with concurrent.futures.ThreadPoolExecutor(workers, "stalwart-read") as pool:
-            pending = [pool.submit(self._read, name) for name in todo]
-            for name, future in zip(todo, pending, strict=True):
-                result = future.result()
-                if isinstance(result, FileProblem):
-                    # Files not started yet are not read at all (as in file_problems).
-                    pool.shutdown(wait=True, cancel_futures=True)
-                    raise result.error(self.directory)
-                with self._lock:
-                    self._held[name] = result
+            pending = [pool.submit(check, name) for name in todo]
+            try:
+                for name, future in zip(todo, pending, strict=True):
+                    result = future.result()
+                    if isinstance(result, FileProblem):
+                        # Files not started yet are not read at all (as in file_problems).
+                        pool.shutdown(wait=True, cancel_futures=True)
+                        raise result.error(self.directory)
+                    with self._lock:
+                        into[name] = result
+            finally:
+                # A checked file nobody took (another one was bad): close it.
+                for future in pending:
+                    if future.done() and not future.cancelled():
+                        result = future.result()
+                        if isinstance(result, StreamedFile) and result not in into.values():
+                            result.close()
+
+    def _stream(self, name: str) -> StreamedFile | FileProblem:
+        entry = self._entries.get(name)
+        if entry is None:
+            return FileProblem(name, "is not listed in the manifest; the checkpoint is damaged")
+
+        def count() -> None:
+            with self._lock:
+                self.reads[name] += 1
+
+        with self._lock:
+            spans = self._spans.get(name, [])
+        return stream_check(os.fspath(self.directory), entry, spans, count)
 
     def held(self, name: str) -> _Held:
         """The checked bytes of ``name``, reading and checking it first if needed."""
@@ -179,10 +240,14 @@ class VerifiedFiles:
         return metadata_from_bytes(view, where, size_of)
 
     def close(self) -> None:
-        """Let go of every file's bytes (a tensor decoded from a file keeps its buffer alive
-        until the tensor is dropped; a restore copies them into its targets at once)."""
+        """Let go of every file's bytes and descriptors (a tensor decoded from a held
+        file keeps its buffer alive until the tensor is dropped; a restore copies
+        them into its targets at once)."""
         with self._lock:
             self._held.clear()
+            streamed, self._streamed = list(self._streamed.values()), {}
+        for checked in streamed:
+            checked.close()
 
     def _read(self, name: str) -> _Held | FileProblem:
         entry = self._entries.get(name)
@@ -218,17 +283,18 @@ class VerifiedFiles:
 def verified_checkpoint(
     path: Path, *, part: tuple[int, int] = (0, 1)
 ) -> tuple[VerifiedFiles, Metadata]:
-    """A restore's gate: the manifest (``read_manifest``), the size of every file, and
-    this rank's share of the files read and checked into memory; with the DCP
-    metadata, unpickled by the restricted unpickler from the very bytes whose
-    checksum matched (``VerifiedFiles.metadata``).
+    """A restore's gate: the manifest (``read_manifest``), the size of every file, the
+    DCP metadata, unpickled by the restricted unpickler from the very bytes
+    whose checksum matched (``VerifiedFiles.metadata``), and this rank's share
+    of the data files checked by streaming them (``VerifiedFiles.stream``),
+    keeping the spans the metadata says its decoders need.
 
     ``part=(rank, world_size)`` takes every world_size-th data file, so the
     ranks share the reading and together check every file; a file a rank's
-    load needs from another share is read and checked when it is needed
-    (``VerifiedFileReader``). The metadata is unpickled while the data files are
-    hashed (xxh3 releases the GIL). Raises what ``verify_checkpoint`` and
-    ``read_dcp_metadata`` raise; a damaged file before anything the metadata says.
+    load needs from another share is checked when it is needed
+    (``VerifiedFileReader``). Raises what ``verify_checkpoint`` and
+    ``read_dcp_metadata`` raise; a damaged file before anything the metadata
+    says. Close the files returned.
     """
     manifest = read_manifest(path)
     problems = file_problems(path, manifest, checksums=False, first_only=True)
@@ -236,17 +302,22 @@ def verified_checkpoint(
         raise problems[0].error(path)
     files = VerifiedFiles(path, manifest)
     listed = [entry.path for entry in manifest.files]
-    if _METADATA in listed:
-        files.verify([_METADATA])  # a few KiB; every rank reads it
     rank, world = part
     share = [name for name in listed if name != _METADATA][rank::world]
-    with concurrent.futures.ThreadPoolExecutor(1, "stalwart-verify") as pool:
-        checked = pool.submit(files.verify, share)
+    try:
+        if _METADATA in listed:
+            files.verify([_METADATA])  # a few KiB; every rank reads it
         try:
             metadata = files.metadata() if _METADATA in listed else read_dcp_metadata(path)
-        finally:
-            # A damaged file is the reason given, before anything the metadata said.
-            checked.result()
+        except CheckpointCorruptError:
+            # A damaged data file is the reason given, before anything the metadata said.
+            files.stream(share)
+            raise
+        files.keep(metadata)
+        files.stream(share)
+    except BaseException:
+        files.close()
+        raise
     return files, metadata
 
 
@@ -272,6 +343,7 @@ class VerifiedFileReader(SafeFileSystemReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.files.keep(metadata)
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 for chunk in md.chunks:
@@ -285,33 +357,96 @@ class VerifiedFileReader(SafeFileSystemReader):
                 item
             )
         # Every file this rank reads is checked before any item is deserialized.
-        self.files.verify(per_file)
+        self.files.stream(per_file)
         for name, items in per_file.items():
-            held = self.files.held(name)
-            for item in items:
-                self._read_item(name, held, item, planner)
+            checked = self.files.streamed(name)
+            if checked is not None:
+                checked.check_unchanged()
+                items = [item for item in items if not self._read_streamed(checked, item, planner)]
+                checked.check_unchanged()
+            if items:
+                # Held, or items only a whole read can decode: read and checked in memory.
+                view = self.files.held(name).view
+                for item in items:
+                    self._read_item(name, view, item, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_item(self, name: str, held: _Held, item: ReadItem, planner: LoadPlanner) -> None:
+    def _read_streamed(self, checked: StreamedFile, item: ReadItem, planner: LoadPlanner) -> bool:
+        """Serve ``item`` from a streamed file: from its kept bytes when it is small,
+        else its raw data straight into the target. False: it needs a whole read."""
         info = self.storage_data[item.storage_index]
-        start, end = info.offset, info.offset + info.length
-        if end > len(held.view):
+        start, length = info.offset, info.length
+        kept = checked.span(start, start + length)
+        if kept is not None:
+            self._read_item(info.relative_path, kept, item, planner, start)
+            return True
+        expected = self._chunks.get(item.storage_index)
+        if item.type == LoadItemType.BYTE_IO or info.transform_descriptors or expected is None:
+            return False
+        dtype, shape = expected
+
+        def framing(a: int, b: int) -> bytes:
+            got = checked.span(start + a, start + b)
+            if got is None:
+                raise UnavailableError(a, b)
+            return bytes(got)
+
+        found = framed_data(length, framing, dtype, shape)
+        if found is None:
+            return False
+        data_start, nbytes = found
+        target = planner.resolve_tensor(item).detach()
+        whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == shape
+        direct = (
+            whole
+            and target.device.type == "cpu"
+            and target.dtype == dtype
+            and tuple(target.shape) == shape
+            and target.is_contiguous()
+        )
+        source = target if direct else torch.empty(shape, dtype=dtype)
+        if nbytes:
+            checked.read_into(source.reshape(-1).view(torch.uint8).numpy().data, start + data_start)
+        if not direct:
+            self._copy(
+                item, narrow_tensor_by_index(source, item.storage_offsets, item.lengths), target
+            )
+        planner.commit_tensor(item, target)
+        self.decoded += 1
+        return True
+
+    def _copy(self, item: ReadItem, tensor: torch.Tensor, target: torch.Tensor) -> None:
+        if target.size() != tensor.size():
+            raise CheckpointCorruptError(
+                f"{self.path}: item {item.storage_index.fqn!r} holds shape {list(tensor.size())}, "
+                f"the load plan expects {list(target.size())}; the DCP metadata is damaged",
+                path=os.fspath(self.path),
+            )
+        target.copy_(tensor)
+
+    def _read_item(
+        self, name: str, view: memoryview, item: ReadItem, planner: LoadPlanner, base: int = 0
+    ) -> None:
+        """Decode ``item`` from ``view``, the checked bytes of ``name`` from byte ``base``."""
+        info = self.storage_data[item.storage_index]
+        start, end = info.offset - base, info.offset - base + info.length
+        if end > len(view):
             where = os.path.join(os.fspath(self.path), name)
             raise CheckpointCorruptError(
                 f"{where}: item {item.storage_index.fqn!r} at bytes {start}..{end} lies past "
-                f"the end of the file ({len(held.view)} bytes); the DCP metadata is damaged",
+                f"the end of the file ({len(view) + base} bytes); the DCP metadata is damaged",
                 path=where,
             )
         if info.transform_descriptors:
             # An extension's encoding (compression, ...): DCP's own transforms undo it.
             stream = self.transforms.transform_load_stream(
-                item, info.transform_descriptors, io.BytesIO(held.view[start:end])
+                item, info.transform_descriptors, io.BytesIO(view[start:end])
             )
             blob = memoryview(stream.read(-1))
         else:
-            blob = held.view[start:end]
+            blob = view[start:end]
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(blob))
             return
@@ -338,13 +473,7 @@ class VerifiedFileReader(SafeFileSystemReader):
             self.decoded += 1
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size():
-            raise CheckpointCorruptError(
-                f"{self.path}: item {item.storage_index.fqn!r} holds shape {list(tensor.size())}, "
-                f"the load plan expects {list(target.size())}; the DCP metadata is damaged",
-                path=os.fspath(self.path),
-            )
-        target.copy_(tensor)
+        self._copy(item, tensor, target)
         planner.commit_tensor(item, target)
 
 
@@ -377,63 +506,101 @@ def decode_tensor(
     elements, so that reading the storage bytes as such a tensor is what
     unpickling would give. None means "use torch.load": never a guess.
     """
-    if sys.byteorder != "little" or dtype not in _STORAGE_TYPES or min(shape, default=0) < 0:
+    found = framed_data(len(view), lambda a, b: bytes(view[a:b]), dtype, shape)
+    if found is None:
         return None
-    records = _zip_records(view)
-    if records is None:
-        return None
-    prefixes = {name.split("/", 1)[0] for name in records}
-    if len(prefixes) != 1:
-        return None
-    prefix = prefixes.pop()
-    pkl, order, data = (records.get(f"{prefix}/{n}") for n in ("data.pkl", "byteorder", "data/0"))
-    if pkl is None or order is None or data is None:
-        return None
-    if any(name.startswith(f"{prefix}/data/") and name != f"{prefix}/data/0" for name in records):
-        return None
-    if bytes(view[order[0] : order[0] + order[1]]) != b"little":
-        return None
-    numel = 1
-    for size in shape:
-        numel *= size
-    if data[1] != numel * dtype.itemsize:
-        return None
-    if bytes(view[pkl[0] : pkl[0] + pkl[1]]) != _tensor_pickle(dtype, shape):
-        return None
-    if numel == 0:
+    start, nbytes = found
+    if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     # frombuffer keeps the buffer alive and allows a start at any byte.
-    return torch.frombuffer(view[data[0] : data[0] + data[1]], dtype=dtype).view(shape)
+    return torch.frombuffer(view[start : start + nbytes], dtype=dtype).view(shape)
 
 
-def _zip_records(view: memoryview) -> dict[str, tuple[int, int]] | None:
-    """``{name: (data offset, size)}`` of a stored (uncompressed) zip archive, or None
-    for anything else (zip64, a comment, compression, a bound out of range)."""
-    end = len(view) - 22
-    if end < 0 or bytes(view[end : end + 4]) != b"PK\x05\x06":
+class UnavailableError(LookupError):
+    """Raised by a ``framed_data`` reader for bytes it does not have."""
+
+
+def framed_data(
+    size: int, get: Callable[[int, int], bytes], dtype: torch.dtype, shape: tuple[int, ...]
+) -> tuple[int, int] | None:
+    """``(start, nbytes)`` of the raw data in a ``torch.save`` record of ``size`` bytes
+    when it is exactly the record ``decode_tensor`` accepts, else None.
+
+    ``get(start, end)`` returns the record's bytes ``[start, end)``; it may raise
+    ``UnavailableError`` (then the answer is None), so a caller holding only the
+    record's framing can tell where its data lies without having the data.
+    """
+    if sys.byteorder != "little" or dtype not in _STORAGE_TYPES or min(shape, default=0) < 0:
         return None
-    count, cd_size, cd_offset, comment = struct.unpack_from("<10xHIIH", view, end)
+    try:
+        records = _zip_records(size, get)
+        if records is None:
+            return None
+        prefixes = {name.split("/", 1)[0] for name in records}
+        if len(prefixes) != 1:
+            return None
+        prefix = prefixes.pop()
+        pkl, order, data = (
+            records.get(f"{prefix}/{n}") for n in ("data.pkl", "byteorder", "data/0")
+        )
+        if pkl is None or order is None or data is None:
+            return None
+        if any(
+            name.startswith(f"{prefix}/data/") and name != f"{prefix}/data/0" for name in records
+        ):
+            return None
+        if get(order[0], order[0] + order[1]) != b"little":
+            return None
+        numel = 1
+        for n in shape:
+            numel *= n
+        if data[1] != numel * dtype.itemsize:
+            return None
+        if get(pkl[0], pkl[0] + pkl[1]) != _tensor_pickle(dtype, shape):
+            return None
+    except UnavailableError:
+        return None
+    return data
+
+
+def _zip_records(size: int, get: Callable[[int, int], bytes]) -> dict[str, tuple[int, int]] | None:
+    """``{name: (data offset, size)}`` of a stored (uncompressed) zip archive of ``size``
+    bytes read through ``get``, or None for anything else (zip64, a comment,
+    compression, a bound out of range)."""
+    end = size - 22
+    if end < 0:
+        return None
+    eocd = get(end, end + 22)
+    if eocd[:4] != b"PK\x05\x06":
+        return None
+    count, cd_size, cd_offset, comment = struct.unpack_from("<10xHIIH", eocd)
     if comment or cd_offset + cd_size > end or count == 0xFFFF:
         return None
     records: dict[str, tuple[int, int]] = {}
     pos = cd_offset
     for _ in range(count):
-        if pos + 46 > end or bytes(view[pos : pos + 4]) != b"PK\x01\x02":
+        if pos + 46 > end:
             return None
-        method, packed, size, n_name, n_extra, n_comment, local = struct.unpack_from(
-            "<10xH8xIIHHH8xI", view, pos
+        head = get(pos, pos + 46)
+        if head[:4] != b"PK\x01\x02":
+            return None
+        method, packed, n, n_name, n_extra, n_comment, local = struct.unpack_from(
+            "<10xH8xIIHHH8xI", head
         )
-        name = bytes(view[pos + 46 : pos + 46 + n_name]).decode("utf-8", "replace")
+        if pos + 46 + n_name > end:
+            return None
+        name = get(pos + 46, pos + 46 + n_name).decode("utf-8", "replace")
         pos += 46 + n_name + n_extra + n_comment
-        if method != 0 or packed != size or size == 0xFFFFFFFF or local + 30 > end:
+        if method != 0 or packed != n or n == 0xFFFFFFFF or local + 30 > end:
             return None
-        if bytes(view[local : local + 4]) != b"PK\x03\x04":
+        local_head = get(local, local + 30)
+        if local_head[:4] != b"PK\x03\x04":
             return None
-        l_name, l_extra = struct.unpack_from("<HH", view, local + 26)
+        l_name, l_extra = struct.unpack_from("<HH", local_head, 26)
         start = local + 30 + l_name + l_extra
-        if start + size > end or name in records:
+        if start + n > end or name in records:
             return None
-        records[name] = (start, size)
+        records[name] = (start, n)
     return records
 
 

@@ -90,6 +90,7 @@ class RestoreWalk:
         else:
             candidates = sorted(committed, reverse=True)
         last_error: CheckpointCorruptError | None = None
+        touched = False  # a failed candidate had already written into the live tensors
         for candidate in candidates:
             sources = (["local"] if candidate in local else []) + (
                 ["durable"] if candidate in remote else []
@@ -107,6 +108,7 @@ class RestoreWalk:
                     )
                 except CheckpointCorruptError as exc:
                     last_error = exc
+                    touched = touched or exc.live_modified
                     self._skip_bad(candidate, source, exc)
                     continue
                 except UnsupportedFormatError as exc:
@@ -140,6 +142,18 @@ class RestoreWalk:
                 return Restored(candidate, manifest, source, resharded)
             if step is not None and last_error is not None:
                 raise last_error
+        if touched:
+            # Starting over from a state that holds part of a checkpoint would be a
+            # silent, inexact resume: stop instead.
+            error = CheckpointCorruptError(
+                f"no checkpoint in {self.directory} could be restored, and a failed one had "
+                "already been partly read into the live tensors (its file changed or was cut "
+                f"short after its check: {last_error}); rebuild the model and optimizer "
+                "before starting over",
+                path=None if last_error is None else last_error.path,
+            )
+            error.live_modified = True
+            raise error
         incomplete = [e.name for e in entries if e.status == "incomplete"]
         self.events.emit(
             "restore_none",

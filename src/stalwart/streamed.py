@@ -1,0 +1,215 @@
+"""A restore's data files, checked by streaming them once, then read straight into place.
+
+Holding a whole data file in memory to check it before use costs more than
+reading it: 256 MiB of fresh pages take longer to fault in than the read
+itself, the checked bytes are then copied once more into the live tensors, and
+unmapping them costs more again. A ``StreamedFile`` instead:
+
+1. streams the file once through two reused buffers, hashing one while the
+   next is read (xxh3 releases the GIL), and keeps a copy of the few spans a
+   decoder will look at: every small item whole, and the first and last
+   ``EDGE`` bytes of each large one (a ``torch.save`` record's framing);
+2. after its size and xxh3-128 matched the manifest, serves those kept bytes
+   (the very bytes checked) to every decoder, and reads a large tensor's raw
+   data region with ``preadv`` straight into its target tensor, through the
+   descriptor it checked;
+3. refuses to read if the file was written to since it was checked: the
+   descriptor stays open from check to read, so a rename or delete of the
+   path changes nothing, and any write to the file changes its status
+   (size, modification or status-change time), which is compared before
+   and after every read (``check_unchanged``).
+
+Only raw tensor data is read a second time, never anything that is decoded;
+pickles, zip framing and metadata are always the checked copies. Extra memory
+is two chunk buffers plus the kept spans, not a checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import xxhash
+
+from stalwart.errors import CheckpointCorruptError
+from stalwart.manifest import FileEntry, open_checkpoint_file
+from stalwart.verify import FileProblem, checksum_problem, size_problem
+
+__all__ = ["EDGE", "SMALL_ITEM", "Span", "StreamedFile", "keep_spans", "stream_check"]
+
+CHUNK = 8 * 1024 * 1024
+"""Bytes per streamed read (the raw-read reference reads in the same size)."""
+
+SMALL_ITEM = 256 * 1024
+"""Items up to this size are kept whole while streaming (decoded from memory)."""
+
+EDGE = 4096
+"""Bytes kept at each end of a larger item: a ``torch.save`` record's framing."""
+
+Span = tuple[int, int]
+
+
+def _identity(info: os.stat_result) -> tuple[int, ...]:
+    """What changes when anything writes to the file (or it is swapped under the fd)."""
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+class StreamedFile:
+    """One data file whose checksum matched: its kept spans and its open descriptor.
+
+    ``span(start, end)`` gives kept bytes (None when that range was not kept);
+    ``read_into(view, offset)`` fills ``view`` from the file. Close it when done.
+    """
+
+    def __init__(
+        self, where: str, fd: int, identity: tuple[int, ...], kept: dict[Span, bytearray]
+    ) -> None:
+        self.where = where
+        self._fd = fd
+        self._identity = identity
+        self._starts = sorted(a for a, _ in kept)
+        self._spans = {a: (b, data) for (a, b), data in kept.items()}
+
+    def span(self, start: int, end: int) -> memoryview | None:
+        """The checked bytes ``[start, end)`` if a kept span holds them, else None
+        (a writable view: a tensor decoded from it may share its memory)."""
+        # Kept spans are merged, so at most one (the last starting at or before
+        # ``start``) can hold the range.
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i < 0:
+            return None
+        a = self._starts[i]
+        b, data = self._spans[a]
+        if end > b:
+            return None
+        return memoryview(data)[start - a : end - a]
+
+    def check_unchanged(self) -> None:
+        """Raise ``CheckpointCorruptError`` if the file was written to since its check."""
+        if _identity(os.fstat(self._fd)) != self._identity:
+            raise CheckpointCorruptError(
+                f"{self.where}: changed on disk after its checksum was checked (another "
+                "process wrote to it); it is not used",
+                path=self.where,
+            )
+
+    def read_into(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` (writable bytes) with the file's bytes from ``offset``.
+
+        An I/O error or a short read (the file shrank) raises
+        ``CheckpointCorruptError``, transient for an I/O error.
+        """
+        done, size = 0, view.nbytes
+        while done < size:
+            try:
+                n = os.preadv(self._fd, [view[done:]], offset + done)
+            except OSError as exc:
+                raise CheckpointCorruptError(
+                    f"{self.where}: cannot read ({exc.strerror or exc})",
+                    path=self.where,
+                    transient=True,
+                ) from exc
+            if n == 0:
+                raise CheckpointCorruptError(
+                    f"{self.where}: ended at byte {offset + done} while reading up to "
+                    f"{offset + size} (truncated after its check)",
+                    path=self.where,
+                )
+            done += n
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def keep_spans(items: Iterable[Span]) -> list[Span]:
+    """The spans to keep for items ``(offset, length)``: small ones whole, large ones'
+    edges; sorted and merged."""
+    spans: list[Span] = []
+    for offset, length in items:
+        if length <= SMALL_ITEM:
+            spans.append((offset, offset + length))
+        else:
+            spans += [(offset, offset + EDGE), (offset + length - EDGE, offset + length)]
+    merged: list[Span] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def stream_check(
+    directory: str, entry: FileEntry, spans: list[Span], count: Callable[[], None]
+) -> StreamedFile | FileProblem:
+    """Stream ``entry``'s file once, check its size and xxh3-128, keep ``spans``.
+
+    ``count()`` is called when the file is opened (VerifiedFiles counts reads).
+    Returns the checked file (open) or the problem found; never raises for the
+    file's content or an I/O error.
+    """
+    where = os.path.join(directory, entry.path)
+    try:
+        with open_checkpoint_file(directory, entry.path) as (stream, size):
+            count()
+            problem = size_problem(entry, size)
+            if problem is not None:
+                return problem
+            fd = os.dup(stream.fileno())
+        try:
+            identity = _identity(os.fstat(fd))
+            digest, got, kept = _stream(fd, spans)
+            problem = size_problem(entry, got) or checksum_problem(entry, digest)
+        except BaseException:
+            os.close(fd)
+            raise
+    except FileNotFoundError:
+        return FileProblem(entry.path, "missing (listed in the manifest)")
+    except CheckpointCorruptError as exc:
+        return FileProblem(entry.path, str(exc).removeprefix(f"{exc.path}: "))
+    except OSError as exc:
+        return FileProblem(entry.path, f"cannot read ({exc.strerror or exc})", True, exc)
+    if problem is not None:
+        os.close(fd)
+        return problem
+    return StreamedFile(where, fd, identity, kept)
+
+
+def _stream(fd: int, spans: list[Span]) -> tuple[str, int, dict[Span, bytearray]]:
+    """(xxh3-128 hex, bytes read, kept spans) of the file behind ``fd``, read from 0."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead
+        except OSError:
+            pass
+    hasher = xxhash.xxh3_128()
+    buffers = [bytearray(CHUNK), bytearray(CHUNK)]
+    kept: dict[Span, bytearray] = {span: bytearray() for span in spans}
+    todo = list(spans)
+    pos = 0
+    hashing: concurrent.futures.Future[Any] | None = None
+    with concurrent.futures.ThreadPoolExecutor(1, "stalwart-hash") as pool:
+        for turn in range(1 << 62):
+            view = memoryview(buffers[turn % 2])
+            # The buffer hashed two turns ago is free: the last turn waited for it.
+            n = os.readv(fd, [view])
+            if hashing is not None:
+                hashing.result()
+            if not n:
+                break
+            chunk = view[:n]
+            hashing = pool.submit(hasher.update, chunk)
+            while todo and todo[0][0] < pos + n:
+                a, b = todo[0]
+                kept[a, b] += chunk[max(a, pos) - pos : min(b, pos + n) - pos]
+                if b > pos + n:
+                    break
+                todo.pop(0)
+            pos += n
+    return hasher.hexdigest(), pos, kept
