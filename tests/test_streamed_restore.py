@@ -26,7 +26,7 @@ from stalwart.reader import (
     framed_data,
     verified_checkpoint,
 )
-from stalwart.safe_load import read_dcp_metadata
+from stalwart.safe_load import read_dcp_metadata, safe_load
 from stalwart.streamed import EDGE, StreamedFile
 from stalwart.verify import read_manifest
 
@@ -94,7 +94,7 @@ def test_large_tensors_are_read_into_place_from_one_streamed_read(tmp_path: Path
     path = tmp_path / "step_000000002"
     model, opt = build(1, trained=False)  # fresh objects: the optimizer has no state
     state = stalwart.TrainState(model=model, optimizer=opt, rng=False)
-    files, metadata = verified_checkpoint(path)
+    files, _ = verified_checkpoint(path)
     streamed = {n for n in files.reads if files.streamed(n) is not None}
     assert streamed == {data_file(tmp_path, 2).name}
     files.close()
@@ -106,11 +106,9 @@ def test_each_file_is_checked_once_and_no_item_needs_a_whole_read(tmp_path: Path
     saved(tmp_path)
     path = tmp_path / "step_000000002"
     files, metadata = verified_checkpoint(path)
-    model, opt = build(1)
+    model, _ = build(1)
     target = {"model": model.state_dict()}
     reader = VerifiedFileReader(path, files=files, metadata=metadata)
-    from stalwart.safe_load import safe_load
-
     safe_load(target, path, metadata=metadata, reader=reader)
     assert all(count == 1 for count in files.reads.values()), files.reads
     assert reader.decoded == len(target["model"])
@@ -288,10 +286,7 @@ def test_a_large_record_of_a_layout_read_whole_still_restores_exactly(tmp_path: 
     target, target_opt = build(1)
     target.register_buffer("spectrum", torch.zeros(300, 300, dtype=torch.complex64))
     path = tmp_path / "step_000000001"
-    files, metadata = verified_checkpoint(path)
-    reader_state = stalwart.TrainState(model=target, optimizer=target_opt, rng=False)
-    files.close()
-    load_checkpoint(path, reader_state)
+    load_checkpoint(path, stalwart.TrainState(model=target, optimizer=target_opt, rng=False))
     assert_same(want, values(target, target_opt))
     assert read_dcp_metadata(path).state_dict_metadata["model.spectrum"].properties.dtype == (
         torch.complex64
