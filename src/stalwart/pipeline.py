@@ -386,7 +386,9 @@ def load_checkpoint(
     deserialized; both reads are served from those bytes (``stalwart.reader``).
     Collective over ``coordinator``: ranks share the checksumming, and an error
     found by any rank (corruption, unsafe content, mismatched keys) is raised on
-    every rank, before anything live is modified. An error while the loaded
+    every rank, before anything live is modified; only a file written to
+    after its check (``stalwart.streamed``) can be found while tensors are read
+    into place, and that error has ``live_modified`` set. An error while the loaded
     values are put into the live objects (a component's ``load_state_dict``
     raising on one rank) is raised on every rank too, as ``StateMismatchError``:
     no rank goes on training while another stopped.
