@@ -144,7 +144,7 @@ def test_a_live_restore_holds_far_less_than_a_checkpoint_of_extra_memory(tmp_pat
     base = kib("VmRSS") * 1024
     load_checkpoint(path, state)
     extra = kib("VmHWM") * 1024 - base
-    # Two 8 MiB chunk buffers and the kept spans, not the checkpoint's 72 MiB.
+    # Two 4 MiB chunk buffers and the kept spans, not the checkpoint's 72 MiB.
     assert total > 64 * 2**20 and extra <= 0.4 * total, (extra, total)
     assert_same(want, dict(model.state_dict()))
 

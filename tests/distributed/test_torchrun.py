@@ -135,6 +135,20 @@ def test_ddp_checkpoint_holds_one_copy_of_the_state_not_one_per_rank(tmp_path: P
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 @pytest.mark.parametrize(("save_world", "load_world"), [(2, 1), (1, 2), (2, 4)])
 def test_resharding_restore(tmp_path: Path, kind: str, save_world: int, load_world: int) -> None:
+    reshard(tmp_path, kind, save_world, load_world)
+
+
+@pytest.mark.parametrize(("save_world", "load_world"), [(2, 1), (1, 2)])
+def test_resharding_restore_reads_large_shards_into_place(
+    tmp_path: Path, save_world: int, load_world: int
+) -> None:
+    """Weights of 512 KiB per shard: read from the checked file straight into the
+    target (2 -> 1: each saved shard fills a slice of the whole tensor) or through
+    a fresh tensor narrowed to this rank's part (1 -> 2)."""
+    reshard(tmp_path, "fsdp", save_world, load_world, "--width", "16384")
+
+
+def reshard(tmp_path: Path, kind: str, save_world: int, load_world: int, *extra: str) -> None:
     run = tmp_path / "run"
     ok(
         torchrun(
@@ -147,6 +161,7 @@ def test_resharding_restore(tmp_path: Path, kind: str, save_world: int, load_wor
             "8",
             "--out",
             str(tmp_path / "saved.pt"),
+            *extra,
         )
     )
     saved = torch.load(tmp_path / "saved.pt", weights_only=False)
@@ -161,6 +176,7 @@ def test_resharding_restore(tmp_path: Path, kind: str, save_world: int, load_wor
             "8",
             "--out",
             str(tmp_path / "loaded.pt"),
+            *extra,
         )
     )
     assert set(starts(proc)) == {8}

@@ -66,10 +66,13 @@ class Exploding:
         self.step = sd["step"]
 
 
-def build_model(kind: str, world: int) -> torch.nn.Module:
+def build_model(kind: str, world: int, width: int = 64) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 4)
+        torch.nn.Linear(16, width),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.1),
+        torch.nn.Linear(width, 4),
     )
     if kind == "ddp" and world > 1:
         return torch.nn.parallel.DistributedDataParallel(model)
@@ -90,6 +93,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--kind", choices=["ddp", "fsdp"], default="ddp")
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--width", type=int, default=64, help="hidden width of the model")
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--kill-rank", type=int, default=None)
     ap.add_argument("--kill-after-step", type=int, default=None)
@@ -117,7 +121,7 @@ def main() -> int:
     random.seed(100 + rank)
     np.random.seed(100 + rank)
 
-    model = build_model(args.kind, world)
+    model = build_model(args.kind, world, args.width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.8)
     loader = stalwart.ResumableDataLoader(
