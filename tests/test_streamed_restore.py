@@ -23,6 +23,7 @@ from stalwart.reader import (
     UnavailableError,
     VerifiedFileReader,
     VerifiedFiles,
+    decode_tensor,
     framed_data,
     verified_checkpoint,
 )
@@ -291,3 +292,17 @@ def test_a_large_record_of_a_layout_read_whole_still_restores_exactly(tmp_path: 
     assert read_dcp_metadata(path).state_dict_metadata["model.spectrum"].properties.dtype == (
         torch.complex64
     )
+
+
+def test_a_record_parsed_before_does_not_vouch_for_one_that_differs_around_its_data() -> None:
+    """Framings are remembered per (size, dtype, shape); a record of the same size whose
+    pickle differs (here: claiming another storage type) is parsed afresh and refused."""
+    record = _record(torch.ones(200, 200))
+    whole = framed_data(len(record), lambda a, b: record[a:b], torch.float32, (200, 200))
+    assert whole is not None
+    start = record.index(b"FloatStorage")
+    bent = record[:start] + b"IntStorage\x00\x00" + record[start + 12 :]
+    assert len(bent) == len(record)
+    assert framed_data(len(bent), lambda a, b: bent[a:b], torch.float32, (200, 200)) is None
+    assert decode_tensor(memoryview(bytearray(bent)), torch.float32, (200, 200)) is None
+    assert framed_data(len(record), lambda a, b: record[a:b], torch.float32, (200, 200)) == whole
