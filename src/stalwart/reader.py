@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import io
 import mmap
@@ -321,6 +322,15 @@ def verified_checkpoint(
     return files, metadata
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A tensor's raw data to read from a streamed file, and what to do once it is read."""
+
+    view: memoryview
+    offset: int
+    finish: Callable[[], None]
+
+
 class VerifiedFileReader(SafeFileSystemReader):
     """``SafeFileSystemReader`` that serves DCP's reads from ``VerifiedFiles``.
 
@@ -362,8 +372,14 @@ class VerifiedFileReader(SafeFileSystemReader):
             checked = self.files.streamed(name)
             if checked is not None:
                 checked.check_unchanged()
-                items = [item for item in items if not self._read_streamed(checked, item, planner)]
+                reads: list[_Pending] = []
+                items = [
+                    item for item in items if not self._read_streamed(checked, item, planner, reads)
+                ]
+                checked.read_many([(pending.view, pending.offset) for pending in reads])
                 checked.check_unchanged()
+                for pending in reads:
+                    pending.finish()
             if items:
                 # Held, or items only a whole read can decode: read and checked in memory.
                 view = self.files.held(name).view
@@ -373,9 +389,12 @@ class VerifiedFileReader(SafeFileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _read_streamed(self, checked: StreamedFile, item: ReadItem, planner: LoadPlanner) -> bool:
+    def _read_streamed(
+        self, checked: StreamedFile, item: ReadItem, planner: LoadPlanner, reads: list[_Pending]
+    ) -> bool:
         """Serve ``item`` from a streamed file: from its kept bytes when it is small,
-        else its raw data straight into the target. False: it needs a whole read."""
+        else by adding to ``reads`` its raw data's read straight into the target
+        (finished once every read is done). False: it needs a whole read."""
         info = self.storage_data[item.storage_index]
         start, length = info.offset, info.length
         kept = checked.span(start, start + length)
@@ -396,7 +415,7 @@ class VerifiedFileReader(SafeFileSystemReader):
         found = framed_data(length, framing, dtype, shape)
         if found is None:
             return False
-        data_start, nbytes = found
+        data_start, _ = found
         target = planner.resolve_tensor(item).detach()
         whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == shape
         direct = (
@@ -407,14 +426,16 @@ class VerifiedFileReader(SafeFileSystemReader):
             and target.is_contiguous()
         )
         source = target if direct else torch.empty(shape, dtype=dtype)
-        if nbytes:
-            checked.read_into(source.reshape(-1).view(torch.uint8).numpy().data, start + data_start)
-        if not direct:
-            self._copy(
-                item, narrow_tensor_by_index(source, item.storage_offsets, item.lengths), target
-            )
-        planner.commit_tensor(item, target)
-        self.decoded += 1
+
+        def finish() -> None:
+            if not direct:
+                part = narrow_tensor_by_index(source, item.storage_offsets, item.lengths)
+                self._copy(item, part, target)
+            planner.commit_tensor(item, target)
+            self.decoded += 1
+
+        view = source.reshape(-1).view(torch.uint8).numpy().data
+        reads.append(_Pending(view, start + data_start, finish))
         return True
 
     def _copy(self, item: ReadItem, tensor: torch.Tensor, target: torch.Tensor) -> None:
