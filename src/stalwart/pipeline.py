@@ -41,7 +41,8 @@ from stalwart.safe_load import safe_load
 from stalwart.staging import AsyncSaver, StagingArea, stage_state_dict
 from stalwart.storage.base import CheckpointStorage
 from stalwart.verify import FileProblem, file_problems, read_manifest, verify_checkpoint
-from stalwart.writer import ChecksummingWriter, RecordTemplates, without_zip_crc
+from stalwart.save_plan import CachingSavePlanner, SavePlanCache
+from stalwart.writer import ChecksummingWriter, RecordTemplates, record_settings, without_zip_crc
 
 _DCP_DATA_FILE = re.compile(r"__\d+_\d+\.distcp$")
 """A DCP data file (rank r writes ``__{r}_*``): its own rank lists it."""
@@ -182,6 +183,7 @@ def write_and_commit(
     *,
     coordinator: Coordinator | None = None,
     templates: RecordTemplates | None = None,
+    plans: SavePlanCache | None = None,
 ) -> SaveResult:
     """THE COMMIT PROTOCOL: write ``opened`` into its staging directory and commit it.
 
@@ -197,7 +199,9 @@ def write_and_commit(
     5. Every rank learns the outcome: one gather.
 
     ``templates`` (kept by the caller across saves) lets the writer reuse the
-    ``torch.save`` framing of tensor layouts it has written before.
+    ``torch.save`` framing of tensor layouts it has written before, and
+    ``plans`` (kept likewise) DCP's global plan, ``.metadata`` and small
+    values while the state's layout is unchanged (``stalwart.save_plan``).
 
     On any failure, on any rank, every rank raises ``CheckpointSaveError``
     (cause chained), the staging directory is removed and nothing is committed;
@@ -208,6 +212,7 @@ def write_and_commit(
     """
     coord = coordinator if coordinator is not None else Coordinator(None, timeout=0.0, name="local")
     templates = templates if templates is not None else RecordTemplates()
+    plans = plans if plans is not None else SavePlanCache()
     step, staging = opened.step, opened.staging
     assert staging is not None, "a skipped save has nothing to write"
     try:
@@ -216,7 +221,9 @@ def write_and_commit(
         timing: dict[str, float] = {}
         try:
             reports = coord.agree_all(
-                lambda: _write_mine(opened.state_dict, staging, coord, step, timing, templates),
+                lambda: _write_mine(
+                    opened.state_dict, staging, coord, step, timing, templates, plans
+                ),
                 catch=(CheckpointSaveError,),
                 remote=lambda rep: CheckpointSaveError(rep.message),
             )
@@ -271,6 +278,7 @@ def _write_mine(
     step: int,
     timing: dict[str, float],
     templates: RecordTemplates,
+    plans: SavePlanCache,
 ) -> list[FileEntry]:
     """Write this rank's part with DCP through ``ChecksummingWriter``: its files, fsynced, with checksums.
 
@@ -279,7 +287,9 @@ def _write_mine(
     """
     try:
         try:
-            writer = ChecksummingWriter(staging, threads=WRITER_THREADS, templates=templates)
+            writer = ChecksummingWriter(
+                staging, threads=WRITER_THREADS, templates=templates, plans=plans
+            )
             try:
                 with warnings.catch_warnings(), without_zip_crc():
                     # DCP warns that it runs without a process group; here that is the intent.
@@ -287,6 +297,7 @@ def _write_mine(
                     dcp_save(
                         state_dict,
                         storage_writer=writer,
+                        planner=CachingSavePlanner(plans, settings=record_settings()),
                         process_group=coord.group,
                         no_dist=not coord.distributed,
                     )

@@ -33,6 +33,7 @@ from stalwart.pipeline import (
 from stalwart.policy import RetentionPolicy
 from stalwart.provenance import Provenance
 from stalwart.retention import apply_retention
+from stalwart.save_plan import SavePlanCache
 from stalwart.state import TrainState
 from stalwart.storage.base import CheckpointStorage
 from stalwart.tiers import TierSync
@@ -81,6 +82,8 @@ class SaveWriter:
         self.staging = StagingArea()
         self.templates = RecordTemplates()
         """The ``torch.save`` framing of the state's tensor layouts, reused by every save."""
+        self.plans = SavePlanCache()
+        """DCP's plan, ``.metadata`` and small values of the state's layout, reused likewise."""
         self.tiers: TierSync | None = None
         """The durable link on rank 0, set by the manager once it exists."""
         self.last_save_time = time.monotonic()
@@ -209,7 +212,12 @@ class SaveWriter:
         """Collectives 3 and 4: write and commit (``pipeline.write_and_commit``), in any thread."""
         try:
             return write_and_commit(
-                self.storage, opened, fields, coordinator=coord, templates=self.templates
+                self.storage,
+                opened,
+                fields,
+                coordinator=coord,
+                templates=self.templates,
+                plans=self.plans,
             )
         except CheckpointSaveError as exc:
             self.events.emit("save_failed", logging.ERROR, step=opened.step, error=str(exc))

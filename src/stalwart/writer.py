@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from stalwart.manifest import FileEntry
+from stalwart.save_plan import SavePlanCache
 
 __all__ = ["ChecksummingWriter", "RecordTemplates", "record_settings", "without_zip_crc"]
 
@@ -482,16 +483,23 @@ class ChecksummingWriter(FileSystemWriter):
     (and, on the coordinator, ``.metadata``) with their sizes and xxh3-128,
     each durable. ``close`` releases descriptors and threads, whatever
     happened; ``templates`` is kept across saves to skip ``torch.save`` for
-    layouts seen before.
+    layouts seen before, and ``plans`` (when given, kept across saves too)
+    to reuse the last save's ``.metadata`` pickle when only its names changed.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, threads: int = 1, templates: RecordTemplates
+        self,
+        path: str | os.PathLike[str],
+        *,
+        threads: int = 1,
+        templates: RecordTemplates,
+        plans: SavePlanCache | None = None,
     ) -> None:
         if threads < 1:
             raise ValueError(f"threads={threads}: a rank needs at least one writer thread")
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=threads)
         self.templates = templates
+        self.plans = plans
         self.written: list[FileEntry] = []
         self._files: list[_HashedFile] = []
         self._syncs: list[_Task] = []
@@ -546,7 +554,8 @@ class ChecksummingWriter(FileSystemWriter):
         tmp = Path(self.path) / f"{_METADATA}.tmp"
         out = _HashedFile(tmp)
         try:
-            out.add([pickle.dumps(metadata)])
+            data = pickle.dumps(metadata) if self.plans is None else self.plans.metadata_bytes(metadata)
+            out.add([data])
             out.finish()
             os.replace(tmp, Path(self.path) / _METADATA)
         except BaseException:
