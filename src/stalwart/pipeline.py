@@ -38,10 +38,10 @@ from stalwart.manifest import FileEntry, Manifest, hash_file, open_checkpoint_fi
 from stalwart.reader import VerifiedFileReader, verified_checkpoint
 from stalwart.restore_protocol import Restorable
 from stalwart.safe_load import safe_load
+from stalwart.save_plan import CachingSavePlanner, SavePlanCache
 from stalwart.staging import AsyncSaver, StagingArea, stage_state_dict
 from stalwart.storage.base import CheckpointStorage
 from stalwart.verify import FileProblem, file_problems, read_manifest, verify_checkpoint
-from stalwart.save_plan import CachingSavePlanner, SavePlanCache
 from stalwart.writer import ChecksummingWriter, RecordTemplates, record_settings, without_zip_crc
 
 _DCP_DATA_FILE = re.compile(r"__\d+_\d+\.distcp$")

@@ -237,7 +237,7 @@ class CachingSavePlanner(DefaultSavePlanner):
         self._cache.keep_global_plan(all_plans, global_plans, metadata)
         return global_plans, metadata
 
-    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002  # DCP's name
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         if write_item.type == WriteItemType.BYTE_IO:
             return self._cache.saved_value(object, self._settings)
         return super().transform_object(write_item, object)

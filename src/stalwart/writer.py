@@ -554,7 +554,11 @@ class ChecksummingWriter(FileSystemWriter):
         tmp = Path(self.path) / f"{_METADATA}.tmp"
         out = _HashedFile(tmp)
         try:
-            data = pickle.dumps(metadata) if self.plans is None else self.plans.metadata_bytes(metadata)
+            data = (
+                pickle.dumps(metadata)
+                if self.plans is None
+                else self.plans.metadata_bytes(metadata)
+            )
             out.add([data])
             out.finish()
             os.replace(tmp, Path(self.path) / _METADATA)

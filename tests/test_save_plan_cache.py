@@ -1,0 +1,357 @@
+"""``SavePlanCache``: a save reuses the last save's plan only while the layout is the same."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import uuid
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+import stalwart
+from stalwart.save_plan import CachingSavePlanner, SavePlanCache
+from stalwart.writer import ChecksummingWriter, RecordTemplates, record_settings, without_zip_crc
+
+from .conftest import assert_same
+
+_NO_DIST = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def save(sd: dict[str, object], path: Path, cache: SavePlanCache) -> None:
+    """One ``dcp.save`` as the pipeline runs it: stalwart's writer and planner, one cache."""
+    writer = ChecksummingWriter(path, templates=RecordTemplates(), plans=cache)
+    try:
+        with warnings.catch_warnings(), without_zip_crc():
+            warnings.filterwarnings("ignore", message=_NO_DIST)
+            planner = CachingSavePlanner(cache, settings=record_settings())
+            dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
+        writer.sync()
+    finally:
+        writer.close()
+
+
+def staging(root: Path) -> Path:
+    """A new directory named as a save's staging directory (names of one length, each unique)."""
+    return root / f".step_000000001.tmp-{uuid.uuid4().hex}"
+
+
+def dcp_load(target: dict[str, object], path: Path) -> dict[str, object]:
+    """torch's own reader, not stalwart's: the files are standard DCP files."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_DIST)
+        dcp.load(target, storage_reader=FileSystemReader(path), no_dist=True)
+    return target
+
+
+def zeros_like(sd: dict[str, object]) -> dict[str, object]:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
+
+
+def base() -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(4, 6, generator=g),
+        "ids": torch.arange(12, dtype=torch.float32),
+        "lr": 0.1,
+        "name": "run",
+    }
+
+
+def reshaped(sd: dict[str, object]) -> None:
+    sd["w"] = sd["w"].reshape(6, 4).clone()  # the same bytes, another shape
+
+
+def retyped(sd: dict[str, object]) -> None:
+    sd["ids"] = torch.arange(12, dtype=torch.int32)  # the same byte count, another dtype
+
+
+def new_key(sd: dict[str, object]) -> None:
+    sd["bias"] = torch.ones(6)
+
+
+def dropped_key(sd: dict[str, object]) -> None:
+    del sd["ids"]
+
+
+def grad_flag(sd: dict[str, object]) -> None:
+    sd["w"] = sd["w"].clone().requires_grad_(True)
+
+
+def longer_value(sd: dict[str, object]) -> None:
+    sd["name"] = "n" * 1000  # every later record moves: new storage offsets
+
+
+CHANGES: dict[str, Callable[[dict[str, object]], None]] = {
+    "reshaped tensor": reshaped,
+    "dtype of the same size": retyped,
+    "new key": new_key,
+    "dropped key": dropped_key,
+    "requires_grad": grad_flag,
+}
+
+
+def check_reads_back(sd: dict[str, object], path: Path) -> None:
+    back = dcp_load(zeros_like(sd), path)
+    for key, value in sd.items():
+        if isinstance(value, torch.Tensor):
+            assert back[key].dtype == value.dtype and back[key].shape == value.shape, key
+            assert torch.equal(back[key], value.detach()), key
+        else:
+            assert back[key] == value, key
+    md = pickle.loads((path / ".metadata").read_bytes())
+    for key, value in sd.items():
+        if isinstance(value, torch.Tensor):
+            entry = md.state_dict_metadata[key]
+            assert (entry.size, entry.properties.dtype) == (value.shape, value.dtype), key
+            assert entry.properties.requires_grad == value.requires_grad, key
+    assert set(md.state_dict_metadata) == set(sd)
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_changed_layout_is_planned_anew_and_reads_back_exactly(
+    tmp_path: Path, change: str
+) -> None:
+    cache = SavePlanCache()
+    sd = base()
+    a, b, c = staging(tmp_path), staging(tmp_path), staging(tmp_path)
+    save(sd, a, cache)
+    save(sd, b, cache)
+    assert (cache.misses, cache.hits) == (1, 1)
+    CHANGES[change](sd)
+    save(sd, c, cache)
+    assert (cache.misses, cache.hits) == (2, 1)
+    check_reads_back(sd, c)
+    check_reads_back(base(), b)
+
+
+def test_new_storage_offsets_under_the_same_plan_are_written_to_the_metadata(
+    tmp_path: Path,
+) -> None:
+    """A longer value moves the records after it: the plan is reused, ``.metadata`` is not."""
+    cache = SavePlanCache()
+    sd = base()
+    a, b, c = staging(tmp_path), staging(tmp_path), staging(tmp_path)
+    save(sd, a, cache)
+    save(sd, b, cache)
+    longer_value(sd)
+    save(sd, c, cache)
+    assert (cache.misses, cache.hits) == (1, 2)
+    check_reads_back(sd, c)
+    offsets = [
+        sorted(i.offset for i in pickle.loads((p / ".metadata").read_bytes()).storage_data.values())
+        for p in (b, c)
+    ]
+    assert offsets[0] != offsets[1]
+
+
+def test_an_unchanged_layout_reuses_the_plan_and_new_values_are_written(tmp_path: Path) -> None:
+    cache = SavePlanCache()
+    for n in range(3):
+        sd = base()
+        sd["w"] = sd["w"] + n
+        sd["lr"] = 0.1 * (n + 1)
+        path = staging(tmp_path)
+        save(sd, path, cache)
+        check_reads_back(sd, path)
+    assert (cache.misses, cache.hits) == (1, 2)
+
+
+def test_a_reused_metadata_pickle_is_the_pickle_of_this_saves_metadata(tmp_path: Path) -> None:
+    """Only the directory's name and the save id change: the bytes are pickle's own."""
+    cache = SavePlanCache()
+    ids = set()
+    for _ in range(3):
+        path = staging(tmp_path)
+        save(base(), path, cache)
+        data = (path / ".metadata").read_bytes()
+        md = pickle.loads(data)
+        assert md.storage_meta.checkpoint_id == path
+        assert pickle.dumps(md) == data
+        ids.add(md.storage_meta.save_id)
+    assert len(ids) == 3
+
+
+def test_a_directory_name_of_another_length_is_pickled_anew(tmp_path: Path) -> None:
+    cache = SavePlanCache()
+    save(base(), tmp_path / "short", cache)
+    save(base(), tmp_path / "a_longer_name", cache)
+    data = (tmp_path / "a_longer_name" / ".metadata").read_bytes()
+    assert pickle.loads(data).storage_meta.checkpoint_id == tmp_path / "a_longer_name"
+    check_reads_back(base(), tmp_path / "a_longer_name")
+
+
+def test_the_global_plan_is_rebuilt_for_another_number_of_ranks() -> None:
+    """The key is every rank's local plan: one more rank is another layout."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(base(), None, True)
+    plan = planner.create_local_plan()
+    cache = SavePlanCache()
+    built = DefaultSavePlanner().create_global_plan([plan])
+    cache.keep_global_plan([plan], *built)
+    assert cache.global_plan([plan]) is not None
+    assert cache.global_plan([plan, plan]) is None
+    assert cache.global_plan([]) is None
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [(0.0, -0.0), (1, True), (1, 1.0), ([1, 2], (1, 2)), ([1, [2]], [1, [2.0]]), ("ab", b"ab")],
+)
+def test_a_small_value_is_reused_only_when_its_pickle_is_the_same(
+    tmp_path: Path, before: object, after: object
+) -> None:
+    """Values Python calls equal (0.0 == -0.0, 1 == True) are still other bytes."""
+    cache = SavePlanCache()
+    save({"v": before}, staging(tmp_path), cache)
+    path = staging(tmp_path)
+    save({"v": after}, path, cache)
+    back = dcp_load({"v": None}, path)["v"]
+    assert back == after and type(back) is type(after)
+    if isinstance(after, float):
+        assert str(back) == str(after)  # the sign of zero
+
+
+class Box(dict):
+    """A subclass of a plain type: its pickle names the class, which may save differently."""
+
+
+def test_a_value_that_is_not_plain_data_is_saved_every_time() -> None:
+    cache = SavePlanCache()
+    settings = record_settings() or ("no crc",)
+    for value in (Box(a=1), {"t": torch.ones(2)}):
+        first = cache.saved_value(value, settings).getvalue()
+        assert first == cache.saved_value(value, settings).getvalue()
+    assert len(cache._values) == 0  # nothing of them was kept
+
+
+def test_two_managers_in_one_process_keep_their_own_plans(tmp_path: Path) -> None:
+    """Unlike DCP's process-wide plan caching, one run never sees another's plan."""
+    models = [torch.nn.Linear(4, 6), torch.nn.Linear(6, 4)]  # the same key names and byte counts
+    states = [stalwart.TrainState(model=m, rng=False) for m in models]
+    managers = [
+        stalwart.CheckpointManager(tmp_path / f"run{n}", keep_last=None, handle_signals=False)
+        for n in range(2)
+    ]
+    try:
+        for step in (1, 2, 3):
+            for manager, state, model in zip(managers, states, models, strict=True):
+                with torch.no_grad():
+                    model.weight.add_(1.0)
+                manager.save(step, state, force=True)
+        for n, manager in enumerate(managers):
+            fresh = torch.nn.Linear(*models[n].weight.shape[::-1])
+            assert manager.restore(stalwart.TrainState(model=fresh, rng=False)) == 3
+            assert_same(fresh.state_dict(), models[n].state_dict())
+    finally:
+        for manager in managers:
+            manager.close()
+
+
+def training(hidden: int, *, buffer: torch.dtype = torch.float32) -> tuple:
+    model = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Linear(hidden, 2))
+    model.register_buffer("counts", torch.zeros(6, dtype=buffer))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    loss = model(torch.randn(3, 4)).pow(2).mean()
+    (loss + 1e-3 * sum(p.sum() for p in model.parameters())).backward()  # every parameter
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model.counts += 1
+
+
+def grow_param_group(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple:
+    extra = torch.nn.Parameter(torch.randn(6))
+    model.register_parameter("scale", extra)
+    opt.add_param_group({"params": [extra], "lr": 5e-3})
+    return model, opt
+
+
+def retype_buffer(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple:
+    model.counts = model.counts.to(torch.int32)  # the same bytes, another dtype
+    return model, opt
+
+
+def rebuild(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple:
+    return training(3)  # 4*3 + 3*2 parameters... other shapes, the same key names
+
+
+def fresh_like(change: str) -> tuple:
+    if change == "new param group":
+        return grow_param_group(*training(8))
+    if change == "buffer dtype":
+        return training(8, buffer=torch.int32)
+    return training(3)
+
+
+MANAGER_CHANGES = {
+    "new param group": grow_param_group,
+    "buffer dtype": retype_buffer,
+    "other shapes": rebuild,
+}
+
+
+@pytest.mark.parametrize("change", list(MANAGER_CHANGES))
+def test_a_run_whose_model_changes_restores_every_checkpoint_exactly(
+    tmp_path: Path, change: str
+) -> None:
+    torch.manual_seed(0)
+    model, opt = training(8)
+    with stalwart.CheckpointManager(tmp_path / "run", keep_last=None, handle_signals=False) as ckpt:
+        for n in (1, 2):
+            step(model, opt)
+            ckpt.save(n, stalwart.TrainState(model=model, optimizer=opt), force=True)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        model, opt = MANAGER_CHANGES[change](model, opt)
+        step(model, opt)
+        ckpt.save(3, stalwart.TrainState(model=model, optimizer=opt), force=True)
+
+        old_model, old_opt = training(8)
+        assert ckpt.restore(stalwart.TrainState(model=old_model, optimizer=old_opt), step=2) == 2
+        assert_same(old_model.state_dict(), before)
+        new_model, new_opt = fresh_like(change)
+        assert ckpt.restore(stalwart.TrainState(model=new_model, optimizer=new_opt), step=3) == 3
+        assert_same(new_model.state_dict(), model.state_dict())
+        assert_same(new_opt.state_dict(), opt.state_dict())
+    # torch's reader agrees: the model section as DCP wrote it.
+    target = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp_load(target, tmp_path / "run" / "step_000000003")
+    assert_same(target["model"], model.state_dict())
+
+
+def test_the_manager_reuses_the_plan_of_an_unchanged_state(tmp_path: Path) -> None:
+    model, opt = training(8)
+    state = stalwart.TrainState(model=model, optimizer=opt, extra={"epoch": 0})
+    with stalwart.CheckpointManager(tmp_path / "run", keep_last=None, handle_signals=False) as ckpt:
+        for n in range(1, 5):
+            step(model, opt)
+            state.extra["epoch"] = n
+            ckpt.save(n, state, force=True)
+        plans = ckpt._writer.plans  # the one cache of this run
+        assert plans.misses == 1 and plans.hits == 3
+        fresh_model, fresh_opt = training(8)
+        fresh = stalwart.TrainState(model=fresh_model, optimizer=fresh_opt, extra={"epoch": -1})
+        assert ckpt.restore(fresh) == 4
+    assert fresh.extra == {"epoch": 4}
+    assert_same(fresh_model.state_dict(), model.state_dict())
+    assert_same(fresh_opt.state_dict(), opt.state_dict())
+
+
+def test_saved_values_are_torch_save_bytes(tmp_path: Path) -> None:
+    cache = SavePlanCache()
+    settings = record_settings() or ("no crc",)
+    value = {"lr": 0.1, "betas": (0.9, 0.99), "name": "x"}
+    expected = io.BytesIO()
+    torch.save(value, expected)
+    assert cache.saved_value(value, settings).getvalue() == expected.getvalue()
+    assert cache.saved_value(dict(value), settings).getvalue() == expected.getvalue()
