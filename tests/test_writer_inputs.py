@@ -4,6 +4,7 @@ shared storage, many layouts, and staging directories holding links or FIFOs."""
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import warnings
 from pathlib import Path
@@ -58,7 +59,28 @@ def dcp_load(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return target
 
 
+def records(path: Path) -> dict[str, bytes]:
+    """Each item's record in ``path``'s data file, by key, at the offsets ``.metadata`` gives."""
+    metadata = pickle.loads((path / ".metadata").read_bytes())  # our own test files
+    data = (path / "__0_0.distcp").read_bytes()
+    return {
+        index.fqn: data[info.offset : info.offset + info.length]
+        for index, info in metadata.storage_data.items()
+    }
+
+
+def gaps(path: Path) -> list[bytes]:
+    """The bytes of ``path``'s data file that no record covers, in order."""
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    data = (path / "__0_0.distcp").read_bytes()
+    spans = sorted((i.offset, i.offset + i.length) for i in metadata.storage_data.values())
+    ends = [0] + [end for _start, end in spans]
+    starts = [start for start, _end in spans] + [len(data)]
+    return [data[e:s] for e, s in zip(ends, starts, strict=True) if s > e]
+
+
 def test_awkward_tensors_are_written_byte_for_byte_as_torch_writes_them(tmp_path: Path) -> None:
+    """Every record is torch's; records start 64-byte aligned, with zeros between them."""
     templates = RecordTemplates()
     for n, scale in enumerate((1.0, -2.5)):  # the second save builds records from templates
         sd = awkward_state(scale)
@@ -70,7 +92,10 @@ def test_awkward_tensors_are_written_byte_for_byte_as_torch_writes_them(tmp_path
         finally:
             writer.close()
         dcp_save(sd, FileSystemWriter(theirs, single_file_per_rank=True, thread_count=1))
-        assert (ours / "__0_0.distcp").read_bytes() == (theirs / "__0_0.distcp").read_bytes()
+        assert records(ours) == records(theirs)
+        assert all(len(gap) < 64 and not gap.strip(b"\0") for gap in gaps(ours))
+        metadata = pickle.loads((ours / ".metadata").read_bytes())
+        assert all(info.offset % 64 == 0 for info in metadata.storage_data.values())
         for entry in writer.written:
             assert (entry.size, entry.xxh3_128) == hash_file(ours / entry.path)
         back = dcp_load(ours, sd)
