@@ -10,6 +10,7 @@ state partly read from such a file is never handed back as a fresh start.
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import time
 from pathlib import Path
@@ -98,6 +99,31 @@ def test_large_tensors_are_read_into_place_from_one_streamed_read(tmp_path: Path
     files, _ = verified_checkpoint(path)
     streamed = {n for n in files.reads if files.streamed(n) is not None}
     assert streamed == {data_file(tmp_path, 2).name}
+    files.close()
+    load_checkpoint(path, state)
+    assert_same(want[2], values(model, opt))
+
+
+def test_items_written_back_to_back_restore_like_aligned_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpoints written before items were 64-byte aligned in their file (each item
+    right after the previous one) take the same streamed path and come back exact."""
+    import stalwart.writer
+
+    monkeypatch.setattr(stalwart.writer, "_RECORD_ALIGN", 1)
+    want = saved(tmp_path)
+    path = tmp_path / "step_000000002"
+    offsets = sorted(
+        (info.offset, info.length) for info in read_dcp_metadata(path).storage_data.values()
+    )
+    # Back to back, and some tensor record off the 64-byte grid: the old layout.
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(offsets))
+    assert any(offset % 64 for offset, _ in offsets)
+    model, opt = build(1, trained=False)
+    state = stalwart.TrainState(model=model, optimizer=opt, rng=False)
+    files, _ = verified_checkpoint(path)
+    assert files.streamed(data_file(tmp_path, 2).name) is not None
     files.close()
     load_checkpoint(path, state)
     assert_same(want[2], values(model, opt))
