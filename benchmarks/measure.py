@@ -806,7 +806,13 @@ def job_isolated(method: str, state_bytes: int, repeats: int, workdir: str) -> d
 
 # -------------------------------------------------------------- training loop
 
-TRAIN_VARIANTS = ("stalwart_sync", "stalwart_async", "torch_save", "floor_async")
+TRAIN_VARIANTS = (
+    "stalwart_sync",
+    "stalwart_async",
+    "torch_save",
+    "floor_async",
+    "floor_async_xxh3",
+)
 
 
 def _make_step(model: nn.Module, opt: torch.optim.Optimizer, batch: int) -> Callable[[], None]:
@@ -900,19 +906,29 @@ def job_train(
         def close() -> None:
             pass
 
-    elif variant == "floor_async":
+    elif variant in ("floor_async", "floor_async_xxh3"):
         # The physical floor of async checkpointing: memcpy into preallocated buffers,
-        # then one thread writes the raw bytes to a new file and fsyncs it.
+        # then one thread writes the raw bytes to a new file and fsyncs it. The xxh3
+        # variant also hashes every byte as it writes it (xxh3-128, GIL released):
+        # the floor of any async save that checksums what it writes.
+        import xxhash
+
         mgr = None
         tensors = state_tensors(model, opt)
         buffers = [torch.empty_like(t) for t in tensors]
         writer: list[threading.Thread] = []
+        hashed = variant == "floor_async_xxh3"
 
         def write(i: int) -> None:
+            digest = xxhash.xxh3_128()
             with open(root / f"raw_{i}.bin", "wb", buffering=0) as f:
                 for b in buffers:
-                    f.write(memoryview(b.numpy()).cast("B"))
+                    view = memoryview(b.reshape(-1).view(torch.uint8).numpy())
+                    if hashed:
+                        digest.update(view)
+                    f.write(view)
                 os.fsync(f.fileno())
+            digest.hexdigest()
             fsync_path(root)
             (root / f"raw_{i - 3 * every}.bin").unlink(missing_ok=True)
 

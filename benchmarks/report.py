@@ -19,6 +19,7 @@ NAMES = {
 TRAIN_NAMES = {
     **NAMES,
     "floor_async": "*ref: memcpy + raw write in a thread (async floor)*",
+    "floor_async_xxh3": "*ref: the same, hashing every byte as it writes (floor with checksum)*",
 }
 RESTORE_NAMES = {
     "stalwart_sync": "stalwart restore (verified)",
@@ -193,6 +194,7 @@ def analyze(results: dict[str, Any]) -> None:
         by = {r["variant"]: r for r in training["runs"] if r["every"] == every}
         ta, tt, ts = by.get("stalwart_async"), by.get("torch_save"), by.get("stalwart_sync")
         tf = by.get("floor_async")
+        th = by.get("floor_async_xxh3")
         if not (_ok(ta) and _ok(tt)):
             continue
         regime = tt["overhead"] > TRAIN_REGIME_TORCH_SAVE
@@ -229,7 +231,14 @@ def analyze(results: dict[str, Any]) -> None:
                     x <= TARGET_TRAIN_X_FLOOR if math.isfinite(x) else None,
                     f"stalwart async {ta['overhead']:+.1%} vs floor (memcpy + raw write thread) "
                     f"{tf['overhead']:+.1%}"
-                    + ("" if math.isfinite(x) else "; floor overhead <= 0: no ratio"),
+                    + ("" if math.isfinite(x) else "; floor overhead <= 0: no ratio")
+                    + (
+                        f"; the floor that also hashes every byte (as a checksummed save must) "
+                        f"{th['overhead']:+.1%}, {_num(_div(ta['overhead'], th['overhead']))}x "
+                        f"of it"
+                        if _ok(th) and th["overhead"] > 0
+                        else ""
+                    ),
                 )
             )
     results["targets"] = targets

@@ -52,8 +52,9 @@ SAVE_METHODS = (
     "dcp_async_process",
 )
 TRAIN_VARIANTS = ("stalwart_sync", "stalwart_async", "torch_save")
-# The physical floor of an async save in the loop (memcpy + a raw-write thread); full mode only.
-TRAIN_REFERENCE = "floor_async"
+# The physical floor of an async save in the loop (memcpy + a raw-write thread), and the
+# same with every byte hashed as it is written; full mode only.
+TRAIN_REFERENCES = ("floor_async", "floor_async_xxh3")
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             runs = []
             for every in args.every:
-                for variant in TRAIN_VARIANTS + (() if args.quick else (TRAIN_REFERENCE,)):
+                for variant in TRAIN_VARIANTS + (() if args.quick else TRAIN_REFERENCES):
                     run = runner.run(
                         "train",
                         f"{variant}, checkpoint every {every} steps",
