@@ -567,6 +567,13 @@ def _scrambled_copy(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Any, 
     return target_model, target_opt, stalwart.TrainState(model=target_model, optimizer=target_opt)
 
 
+def _fresh_target(state_bytes: int) -> tuple[Any, Any, Any]:
+    """A newly built model (other values) and an AdamW that has not stepped: what a restart restores into."""
+    model = build_model(state_bytes, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, stalwart.TrainState(model=model, optimizer=opt)
+
+
 def _warm_up(cls: type[Method], root: Path) -> dict[str, float]:
     """One save (and restore) of a tiny state: lazy imports, first-call costs, DCP's worker."""
     tiny = build_state(TINY_BYTES)
@@ -623,7 +630,8 @@ def job_timing(state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
     model, opt, state = build_state(state_bytes)
     root = Path(tempfile.mkdtemp(prefix="timing-", dir=workdir))
     samples: dict[str, dict[str, list[Any]]] = {
-        name: {k: [] for k in ("stall", "e2e", "cpu", "cold", "warm")} for name in INTERLEAVED
+        name: {k: [] for k in ("stall", "e2e", "cpu", "cold", "warm", "fresh_cold", "fresh_warm")}
+        for name in INTERLEAVED
     }
     ref_samples: dict[str, list[float]] = {
         k: []
@@ -679,6 +687,20 @@ def job_timing(state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
                 assert same_params(target[0], model), (
                     f"{name}: restore did not bring the parameters back"
                 )
+                if name == "stalwart_sync":
+                    # Into fresh objects too: a restarted job's model and optimizer, built
+                    # (untimed) just before, the optimizer without any state yet.
+                    for cold in (True, False):
+                        fresh = _fresh_target(state_bytes)
+                        if cold:
+                            drop_page_cache(latest[name])
+                        t0 = time.perf_counter()
+                        m.restore(latest[name], *fresh)
+                        samples[name]["fresh_cold" if cold else "fresh_warm"].append(
+                            time.perf_counter() - t0
+                        )
+                        assert same_params(fresh[0], model), "fresh restore: wrong parameters"
+                        del fresh
                 with torch.no_grad():
                     for p in target[0].parameters():
                         p.zero_()
@@ -722,6 +744,14 @@ def job_timing(state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
                     "restore_warm_s": best(smp["warm"]),
                     "restore_cold_median_s": median(smp["cold"]),
                     "restore_warm_median_s": median(smp["warm"]),
+                    **(
+                        {
+                            "restore_fresh_cold_s": best(smp["fresh_cold"]),
+                            "restore_fresh_warm_s": best(smp["fresh_warm"]),
+                        }
+                        if smp["fresh_cold"]
+                        else {}
+                    ),
                     "page_cache_drop": refs.page_cache_drop,
                 }
             out["methods"][name] = result

@@ -498,6 +498,14 @@ def _size_section(entry: dict[str, Any], meta: dict[str, Any], add: Any) -> None
             f"{mibs / rs['restore_cold_s']:,.0f} | {_num(r['restore_cold_x_raw_read'].get(name))} | "
             f"{_num(r['restore_warm_x_raw_read'].get(name))} | {rs['restore_peak_rss_mib']:.0f} MiB | {note} |"
         )
+        if rs.get("restore_fresh_cold_s"):
+            cold, warm = rs["restore_fresh_cold_s"], rs["restore_fresh_warm_s"]
+            add(
+                f"| {label}, into fresh objects | {_ms(cold)} | {_ms(warm)} | {mibs / cold:,.0f} | "
+                f"{_num(_div(refs['raw_read_cold_s'], cold))} | "
+                f"{_num(_div(refs['raw_read_warm_s'], warm))} | | a newly built model and an "
+                f"optimizer with no state yet (built before the clock starts) |"
+            )
     add("")
 
 
@@ -512,6 +520,12 @@ def _floor_note(refs: dict[str, Any], restore: dict[str, Any]) -> str:
         f"cold, {_num(_div(refs['raw_read_warm_s'], warm))}x warm, and this restore takes "
         f"{_num(_div(restore['restore_cold_s'], cold))}x / "
         f"{_num(_div(restore['restore_warm_s'], warm))}x the floor's time"
+        + (
+            f"; into fresh objects {_num(_div(refs['raw_read_cold_s'], restore['restore_fresh_cold_s']))}x "
+            f"cold, {_num(_div(refs['raw_read_warm_s'], restore['restore_fresh_warm_s']))}x warm"
+            if restore.get("restore_fresh_cold_s")
+            else ""
+        )
     )
 
 
