@@ -178,6 +178,22 @@ def test_a_reused_metadata_pickle_is_the_pickle_of_this_saves_metadata(tmp_path:
     assert len(ids) == 3
 
 
+def test_a_key_that_holds_the_last_directory_name_is_not_spliced(tmp_path: Path) -> None:
+    """A state key containing the last save's directory name: the name is in the bytes
+    twice, so replacing it would rename the key too; the metadata is pickled anew."""
+    cache = SavePlanCache()
+    first, second = staging(tmp_path), staging(tmp_path)
+    sd = {**base(), f"x/{first.name}": torch.ones(3)}
+    save(sd, first, cache)
+    save(sd, second, cache)
+    data = (second / ".metadata").read_bytes()
+    md = pickle.loads(data)
+    assert md.storage_meta.checkpoint_id == second
+    assert f"x/{first.name}" in md.state_dict_metadata
+    assert pickle.dumps(md) == data
+    check_reads_back(sd, second)
+
+
 def test_a_directory_name_of_another_length_is_pickled_anew(tmp_path: Path) -> None:
     cache = SavePlanCache()
     save(base(), tmp_path / "short", cache)
