@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import math
+import mmap
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,7 +57,10 @@ class StagingArea:
             key = (path, t.shape, t.dtype)
             buf = self._buffers.get(key)
             if buf is None:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)
+                if on_gpu:
+                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                else:
+                    buf = page_aligned_empty(t.shape, t.dtype)
                 self._buffers[key] = buf
             used.add(key)
             if on_gpu:
@@ -99,6 +104,26 @@ class StagingArea:
             torch.cuda.synchronize()
         assert isinstance(staged, dict)
         return staged
+
+
+PAGE_ALIGNED_MIN = 2**20
+"""Staging buffers of at least this many bytes start on a page boundary."""
+
+
+def page_aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor; from ``PAGE_ALIGNED_MIN`` bytes up, page-aligned.
+
+    The writer sends the whole pages of a page-aligned tensor's data to the
+    disk with O_DIRECT, skipping the copy into the page cache
+    (``stalwart.writer``). torch's allocator aligns to 64 bytes only, so a
+    large buffer is an anonymous memory map of its own instead (page-aligned,
+    released with the tensor, its storage exactly the tensor's bytes).
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < PAGE_ALIGNED_MIN:
+        return torch.empty(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def stage_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:

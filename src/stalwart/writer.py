@@ -23,6 +23,15 @@ working; what changes is how the bytes reach the disk:
   waits for the tail of the file only, not for all of it: 64 MiB written and
   fsynced in 24 ms instead of 33 ms here. Each file is fsynced once, and the
   fsync is what makes it durable and what reports any write-back error.
+- The page-aligned part of a large tensor's data whose memory is page-aligned
+  (an async save's staging buffers are, see ``staging.StagingArea``) is
+  written with ``O_DIRECT`` from that memory straight to the disk: no copy
+  into the page cache, which is most of a buffered write's CPU time (64 MiB:
+  about 3 ms of CPU instead of 17 ms here). Such a record is placed so that
+  its data starts on a page boundary of the file (the record itself stays
+  64-byte aligned); everything else goes through the page cache, at explicit
+  offsets. A filesystem that refuses direct I/O (at open or at the first
+  write, ``EINVAL``) gets buffered writes for the rest of the file.
 - A write that fails, in any writer thread, raises in the caller's thread:
   ``dcp.save`` fails, never returns over a short file (torch 2.13's
   ``FileSystemWriter`` loses its other threads' errors).
@@ -75,7 +84,15 @@ torch aligns a tensor's data to 64 bytes within its record, so the data is then
 64-byte aligned in the file as in memory: the kernel's copy into the page cache
 costs about a tenth less than from unaligned offsets (256 MiB: ~5 ms of CPU).
 DCP reads every record by its offset and length, so the gaps are never read."""
-_ZEROS = bytes(_RECORD_ALIGN)
+_DIRECT_ALIGN = 4096
+"""File offset, memory address and length granularity of a direct write: the
+page size, a multiple of the logical block size of every disk."""
+_DIRECT_MIN = 2**20
+"""Tensor data smaller than this goes through the page cache (at most a page of
+padding per record buys nothing for small tensors)."""
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+"""0 where the platform has no direct I/O (then every write is buffered)."""
+_ZEROS = bytes(_DIRECT_ALIGN)
 _METADATA = ".metadata"
 _SYNC_FILE_RANGE_WRITE = 2
 """``SYNC_FILE_RANGE_WRITE`` of <linux/fs.h>: start write-back, wait for nothing."""
@@ -351,40 +368,113 @@ class _HashedFile:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         self.hash = xxhash.xxh3_128()
         self.size = 0
-        self._pending: list[Any] = []
+        self.direct_bytes = 0
+        """Bytes written with O_DIRECT, past the page cache."""
+        self._direct_fd: int | None = None
+        self._direct_ok = bool(_O_DIRECT)
+        self._runs: list[tuple[int, list[Any]]] = []
+        """Queued buffers, as runs of consecutive bytes: (file offset, buffers)."""
+        self._last_run_bytes = 0
+        self._pending_buffers = 0
         self._pending_bytes = 0
+
+    @property
+    def direct(self) -> bool:
+        """Whether direct writes are still worth trying for this file."""
+        return self._direct_ok
+
+    def add_direct(self, view: memoryview, address: int) -> bool:
+        """Write ``view`` (at ``address`` in memory) at the file's end with O_DIRECT.
+
+        Only for a view whose address and length are multiples of the page
+        size, at a page-aligned end of file; False (nothing done) otherwise or
+        where the filesystem refuses direct I/O, and the caller adds it
+        buffered instead. The view must stay unchanged until this returns.
+        """
+        n = view.nbytes
+        if (
+            not self._direct_ok
+            or n == 0
+            or address % _DIRECT_ALIGN
+            or n % _DIRECT_ALIGN
+            or self.size % _DIRECT_ALIGN
+        ):
+            return False
+        fd = self._open_direct()
+        if fd is None:
+            return False
+        # Queued buffered bytes before it stay queued: every write is positional.
+        offset = self.size
+        done = 0
+        with self._naming_errors():
+            while done < n:
+                try:
+                    written = os.pwrite(fd, view[done:], offset + done)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    # This filesystem (or this write's alignment) takes no direct
+                    # I/O after all: the rest of the file goes through the page cache.
+                    self._stop_direct()
+                    break
+                if written <= 0:
+                    raise OSError(errno.EIO, "direct write wrote nothing")
+                done += written
+                if done < n and done % _DIRECT_ALIGN:
+                    self._stop_direct()  # a short write left an unaligned rest
+                    break
+            if done < n:
+                _write_at(self.fd, [view[done:]], offset + done)
+        self.hash.update(view)
+        self.size += n
+        self.direct_bytes += done
+        return True
+
+    def _open_direct(self) -> int | None:
+        if self._direct_fd is None:
+            try:
+                self._direct_fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC | _O_DIRECT)
+            except OSError:
+                self._direct_ok = False  # EINVAL: no direct I/O on this filesystem
+        return self._direct_fd
+
+    def _stop_direct(self) -> None:
+        self._direct_ok = False
+        fd, self._direct_fd = self._direct_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def add(self, buffers: Sequence[Any]) -> None:
         """Queue ``buffers`` for writing; they must stay unchanged until ``finish``."""
+        runs = self._runs
+        if runs and runs[-1][0] + self._last_run_bytes == self.size:
+            run = runs[-1][1]
+        else:  # the first run, or a direct write came in between
+            run = []
+            runs.append((self.size, run))
+            self._last_run_bytes = 0
         for buf in buffers:
             n = memoryview(buf).nbytes
             self.hash.update(buf)
             self.size += n
-            self._pending.append(buf)
+            run.append(buf)
+            self._last_run_bytes += n
             self._pending_bytes += n
-        if self._pending_bytes >= _BATCH_BYTES or len(self._pending) >= _BATCH_BUFFERS:
+        self._pending_buffers += len(buffers)
+        if self._pending_bytes >= _BATCH_BYTES or self._pending_buffers >= _BATCH_BUFFERS:
             self.flush()
 
     def flush(self) -> None:
-        """Write the queued buffers with ``writev``, then start their write-back."""
-        if not self._pending:
+        """Write the queued runs at their offsets, then start their write-back."""
+        if not self._runs:
             return
-        pending = [memoryview(b).cast("B") for b in self._pending]
-        start, length = self.size - self._pending_bytes, self._pending_bytes
-        self._pending, self._pending_bytes = [], 0
+        runs, self._runs = self._runs, []
+        self._pending_buffers = self._pending_bytes = 0
+        start = runs[0][0]
         with self._naming_errors():
-            while pending:
-                written = os.writev(self.fd, pending)
-                if written == 0 and any(b.nbytes for b in pending):
-                    # No progress and no error: retrying would loop forever.
-                    raise OSError(errno.EIO, "writev wrote nothing")
-                # A short write (a signal, a filesystem's limit): go on after what it took.
-                while pending and written >= pending[0].nbytes:
-                    written -= pending[0].nbytes
-                    pending.pop(0)
-                if pending and written:
-                    pending[0] = pending[0][written:]
-        _start_write_back(self.fd, start, length)
+            for offset, run in runs:
+                _write_at(self.fd, [memoryview(b).cast("B") for b in run], offset)
+        _start_write_back(self.fd, start, self.size - start)
 
     def finish(self) -> FileEntry:
         """Write what is queued: the file's entry (size, xxh3-128); not yet durable."""
@@ -401,6 +491,7 @@ class _HashedFile:
 
     def abandon(self) -> None:
         """Close without fsync (after a failure, or once synced); idempotent."""
+        self._stop_direct()
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
@@ -412,6 +503,29 @@ class _HashedFile:
         except OSError as exc:
             exc.filename = str(self.path)  # writev and fsync errors name no file by themselves
             raise
+
+
+def _write_at(fd: int, pending: list[memoryview], offset: int) -> None:
+    """Write ``pending`` at ``offset`` of ``fd``, whatever short writes happen.
+
+    ``lseek`` then ``writev`` rather than ``pwritev``: Python's ``os.pwritev``
+    calls ``pwritev2``, which interposers and tracers of file I/O (the I/O
+    fault shim of the tests among them) may not see. Only the file's own
+    writer thread uses ``fd``, so the seek and the write cannot interleave
+    with another write.
+    """
+    os.lseek(fd, offset, os.SEEK_SET)
+    while pending:
+        written = os.writev(fd, pending)
+        if written == 0 and any(b.nbytes for b in pending):
+            # No progress and no error: retrying would loop forever.
+            raise OSError(errno.EIO, "writev wrote nothing")
+        # A short write (a signal, a filesystem's limit): go on after what it took.
+        while pending and written >= pending[0].nbytes:
+            written -= pending[0].nbytes
+            pending.pop(0)
+        if pending and written:
+            pending[0] = pending[0][written:]
 
 
 def _write_file(
@@ -443,6 +557,17 @@ def _write_file(
                 if tensor.untyped_storage().nbytes() != tensor.nbytes:
                     tensor = tensor.clone()  # a view: write only its own bytes, as DCP does
                 buffers = templates.record(tensor, settings)
+                if _direct_candidate(out, tensor, buffers):
+                    offset = _add_direct_record(out, tensor, buffers)
+                    length = out.size - offset
+                    results.append(
+                        WriteResult(
+                            index=item.index,
+                            size_in_bytes=length,
+                            storage_data=_StorageInfo(storage_key, offset, length),
+                        )
+                    )
+                    continue
             pad = -out.size % _RECORD_ALIGN
             if pad:
                 out.add([_ZEROS[:pad]])
@@ -461,6 +586,39 @@ def _write_file(
         out.abandon()
         raise
     return results, out
+
+
+def _direct_candidate(out: _HashedFile, tensor: torch.Tensor, buffers: list[Any]) -> bool:
+    """A templated record (header, data, trailer) whose data can go out with O_DIRECT."""
+    return (
+        out.direct
+        and len(buffers) == 3
+        and tensor.nbytes >= _DIRECT_MIN
+        and tensor.data_ptr() % _DIRECT_ALIGN == 0
+        and len(buffers[0]) % _RECORD_ALIGN == 0
+    )
+
+
+def _add_direct_record(out: _HashedFile, tensor: torch.Tensor, buffers: list[Any]) -> int:
+    """Add a record whose data starts on a page boundary of the file; returns its offset.
+
+    The padding before it keeps the record 64-byte aligned (the header's
+    length is a multiple of 64); the data's whole pages go out with O_DIRECT
+    (or buffered, where the file refuses that), its last partial page and the
+    trailer through the page cache.
+    """
+    header, data, trailer = buffers
+    pad = -(out.size + len(header)) % _DIRECT_ALIGN
+    if pad:
+        out.add([_ZEROS[:pad]])
+    offset = out.size
+    out.add([header])
+    whole = data.nbytes - data.nbytes % _DIRECT_ALIGN
+    head = data[:whole]
+    if not out.add_direct(head, tensor.data_ptr()):
+        out.add([head])
+    out.add([data[whole:], trailer])
+    return offset
 
 
 def _buckets(items: list[WriteItem], count: int) -> list[list[WriteItem]]:

@@ -124,10 +124,13 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run_child(code: str, *args: str, prefix: list[str] | None = None) -> dict[str, Any]:
+def run_child(
+    code: str, *args: str, prefix: list[str] | None = None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     proc = subprocess.run(
         [*(prefix or []), sys.executable, "-c", code, *args],
         cwd=REPO,
+        env=env,
         capture_output=True,
         text=True,
         timeout=180,

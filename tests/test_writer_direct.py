@@ -1,0 +1,155 @@
+"""Direct writes: the whole pages of a page-aligned tensor's data go to the disk with O_DIRECT.
+
+An async save's staging buffers are page-aligned (``StagingArea``), so the
+writer can send their data past the page cache. These tests check the layout
+that makes that possible (data on a page boundary of the file, records still
+torch's bytes), that the files read back exactly with torch's own reader, and
+that the direct path really ran. Failures of a direct write (EINVAL from a
+filesystem that takes no direct I/O, ENOSPC) are in tests/faults/test_direct_writes.py.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+import stalwart
+from stalwart import writer as writer_module
+from stalwart.manifest import hash_file
+from stalwart.safe_load import read_dcp_metadata
+from stalwart.staging import PAGE_ALIGNED_MIN, StagingArea, page_aligned_empty
+from stalwart.writer import ChecksummingWriter, RecordTemplates, without_zip_crc
+
+PAGE = 4096
+
+
+def live_state() -> dict[str, object]:
+    torch.manual_seed(0)
+    return {
+        "big": torch.randn(1024, 700),  # 2.7 MiB: whole pages only
+        "odd": torch.randn(3, 100_003),  # 1.1 MiB: whole pages, then a partial one
+        "half": torch.randn(512, 512).to(torch.bfloat16),  # 512 KiB: below the threshold
+        "small": torch.randn(10),
+        "step": 7,
+    }
+
+
+def save(sd: dict[str, object], path: Path) -> list:
+    writer = ChecksummingWriter(path, templates=RecordTemplates())
+    try:
+        with warnings.catch_warnings(), without_zip_crc():
+            warnings.filterwarnings("ignore")
+            dcp.save(sd, storage_writer=writer, no_dist=True)
+        writer.sync()
+        return list(writer.written)
+    finally:
+        writer.close()
+
+
+def torch_save_bytes(tensor: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    with without_zip_crc():
+        torch.save(tensor, buf)
+    return buf.getvalue()
+
+
+def test_large_staging_buffers_are_page_aligned_and_own_their_storage() -> None:
+    staged = StagingArea().stage(live_state())
+    for key in ("big", "odd"):
+        t = staged[key]
+        assert t.data_ptr() % PAGE == 0, key
+        assert t.untyped_storage().nbytes() == t.nbytes and t.storage_offset() == 0, key
+    assert staged["half"].nbytes < PAGE_ALIGNED_MIN
+    for key in ("big", "odd", "half", "small"):
+        assert torch.equal(staged[key], live_state()[key]), key  # type: ignore[arg-type]
+    empty = page_aligned_empty(torch.Size([0]), torch.float32)
+    assert empty.numel() == 0
+
+
+def test_page_aligned_data_lands_on_a_page_boundary_and_reads_back_exactly(
+    tmp_path: Path,
+) -> None:
+    live = live_state()
+    staged = StagingArea().stage(live)
+    written = save(staged, tmp_path / "ckpt")
+    for entry in written:
+        assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "ckpt" / entry.path)
+    metadata = read_dcp_metadata(tmp_path / "ckpt")
+    data = (tmp_path / "ckpt" / "__0_0.distcp").read_bytes()
+    by_key = {index.fqn: info for index, info in metadata.storage_data.items()}
+    for key in ("big", "odd", "half", "small"):
+        info = by_key[key]
+        record = data[info.offset : info.offset + info.length]
+        assert info.offset % 64 == 0, key  # every record stays 64-byte aligned
+        assert record == torch_save_bytes(live[key]), key  # type: ignore[arg-type]
+        raw = live[key].reshape(-1).view(torch.uint8).numpy().tobytes()  # type: ignore[union-attr]
+        start = info.offset + record.index(raw[:256])
+        if key in ("big", "odd"):
+            assert start % PAGE == 0, key  # its whole pages can go out with O_DIRECT
+    back = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in live.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        dcp.load(back, storage_reader=FileSystemReader(tmp_path / "ckpt"), no_dist=True)
+    for key, value in live.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(back[key], value), key
+    assert back["step"] == 7
+
+
+def test_the_direct_path_runs_for_staged_tensors_and_not_for_live_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counted on the real files: bytes past the page cache per file."""
+    if not writer_module._O_DIRECT:
+        pytest.skip("this platform has no O_DIRECT")
+    try:
+        fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | writer_module._O_DIRECT, 0o644)
+        os.close(fd)
+    except OSError:
+        pytest.skip(f"{tmp_path} takes no direct I/O")
+    direct: dict[str, int] = {}
+    finish = writer_module._HashedFile.finish
+
+    def counting_finish(self: writer_module._HashedFile):  # type: ignore[no-untyped-def]
+        entry = finish(self)
+        if self.path.suffix == ".distcp":
+            direct[self.path.parent.name] = self.direct_bytes
+        return entry
+
+    monkeypatch.setattr(writer_module._HashedFile, "finish", counting_finish)
+    live = live_state()
+    save(StagingArea().stage(live), tmp_path / "staged")
+    save(live, tmp_path / "live")
+    big, odd = live["big"], live["odd"]
+    assert isinstance(big, torch.Tensor) and isinstance(odd, torch.Tensor)
+    whole = big.nbytes + odd.nbytes - odd.nbytes % PAGE
+    assert direct["staged"] == whole
+    # torch's allocator aligns to 64 bytes: a live tensor's data goes through the page cache.
+    assert direct["live"] == 0 or all(t.data_ptr() % PAGE == 0 for t in (big, odd))
+
+
+def test_an_async_manager_save_restores_exactly(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(700, 700), torch.nn.Linear(700, 3))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 700)).sum().backward()
+    opt.step()
+    state = stalwart.TrainState(model=model, optimizer=opt, rng=False)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with stalwart.CheckpointManager(tmp_path, every_steps=1, async_save=True) as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    with stalwart.CheckpointManager(tmp_path, every_steps=1) as ckpt:
+        assert ckpt.restore(state) == 1
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, want[key]), key
