@@ -166,10 +166,25 @@ def analyze(results: dict[str, Any]) -> None:
                     f"<= {TARGET_WRITER_CPU_X_RAW}x",
                     cpu_x <= TARGET_WRITER_CPU_X_RAW if math.isfinite(cpu_x) else None,
                     f"one sync save {_ms(ss.get('cpu_s'))} of CPU (every thread of the process) vs "
-                    f"raw write + fsync {_ms(refs.get('raw_write_cpu_s'))}; the async save's "
-                    f"background writer does the same work",
+                    f"raw write + fsync {_ms(refs.get('raw_write_cpu_s'))}",
                 )
             )
+            if _ok(sa):
+                # What a training job pays per checkpoint: the async save, whose writer sends
+                # the page-aligned staging buffers past the page cache (O_DIRECT).
+                acpu_x = _div(sa.get("cpu_s"), refs.get("raw_write_cpu_s"))
+                targets.append(
+                    _target(
+                        "async save's CPU time (staging copy included) <= 1.5x a raw write's",
+                        size,
+                        acpu_x,
+                        f"<= {TARGET_WRITER_CPU_X_RAW}x",
+                        acpu_x <= TARGET_WRITER_CPU_X_RAW if math.isfinite(acpu_x) else None,
+                        f"one async save {_ms(sa.get('cpu_s'))} of CPU (the training thread's "
+                        f"staging copy and the background writer) vs raw write + fsync "
+                        f"{_ms(refs.get('raw_write_cpu_s'))}",
+                    )
+                )
             if _ok(ss.get("restore")):
                 cold = r["restore_cold_x_raw_read"]["stalwart_sync"]
                 warm = r["restore_warm_x_raw_read"]["stalwart_sync"]
