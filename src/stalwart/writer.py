@@ -548,6 +548,7 @@ def _write_file(
         ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
         for item in ordered:
             data = planner.resolve_data(item)
+            tensor = None
             if item.type == WriteItemType.BYTE_IO:
                 assert isinstance(data, io.BytesIO), "a BYTE_IO item resolves to BytesIO"
                 buffers: list[Any] = [data.getbuffer()]
@@ -557,22 +558,14 @@ def _write_file(
                 if tensor.untyped_storage().nbytes() != tensor.nbytes:
                     tensor = tensor.clone()  # a view: write only its own bytes, as DCP does
                 buffers = templates.record(tensor, settings)
-                if _direct_candidate(out, tensor, buffers):
-                    offset = _add_direct_record(out, tensor, buffers)
-                    length = out.size - offset
-                    results.append(
-                        WriteResult(
-                            index=item.index,
-                            size_in_bytes=length,
-                            storage_data=_StorageInfo(storage_key, offset, length),
-                        )
-                    )
-                    continue
-            pad = -out.size % _RECORD_ALIGN
-            if pad:
-                out.add([_ZEROS[:pad]])
-            offset = out.size
-            out.add(buffers)
+            if tensor is not None and _direct_candidate(out, tensor, buffers):
+                offset = _add_direct_record(out, tensor, buffers)
+            else:
+                pad = -out.size % _RECORD_ALIGN
+                if pad:
+                    out.add([_ZEROS[:pad]])
+                offset = out.size
+                out.add(buffers)
             length = out.size - offset
             results.append(
                 WriteResult(
