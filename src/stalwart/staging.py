@@ -122,7 +122,12 @@ def page_aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < PAGE_ALIGNED_MIN:
         return torch.empty(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes)
+    try:
+        memory = mmap.mmap(-1, nbytes)
+    except OSError:
+        # No map left (vm.max_map_count) or no address space: an ordinary buffer,
+        # whose data the writer then sends through the page cache.
+        return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
