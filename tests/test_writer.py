@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
+from stalwart import hashed_file
 from stalwart import writer as writer_module
 from stalwart.manifest import hash_file
 from stalwart.writer import (
@@ -257,16 +258,16 @@ def test_a_tensor_changed_after_it_was_hashed_is_caught_by_the_checksum(
     while it is saved gives a file that fails verification, never one that passes
     with other values."""
     sd = state()
-    real_flush = writer_module._HashedFile.flush
+    real_flush = hashed_file.HashedFile.flush
     changed: list[bool] = []
 
-    def flush_after_a_change(self: writer_module._HashedFile) -> None:
+    def flush_after_a_change(self: hashed_file.HashedFile) -> None:
         if not changed and self.path.suffix == ".distcp":
             sd["w"].add_(1.0)  # type: ignore[union-attr]  # after add() hashed it, before writev
             changed.append(True)
         real_flush(self)
 
-    monkeypatch.setattr(writer_module._HashedFile, "flush", flush_after_a_change)
+    monkeypatch.setattr(hashed_file.HashedFile, "flush", flush_after_a_change)
     writer = save(sd, tmp_path / "ckpt")
     assert changed
     (entry,) = [e for e in writer.written if e.path.endswith(".distcp")]

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 import stalwart
-from stalwart import writer as writer_module
+from stalwart import hashed_file
 from stalwart.manifest import hash_file
 from stalwart.safe_load import read_dcp_metadata
 from stalwart.staging import PAGE_ALIGNED_MIN, StagingArea, page_aligned_empty
@@ -107,23 +107,23 @@ def test_the_direct_path_runs_for_staged_tensors_and_not_for_live_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Counted on the real files: bytes past the page cache per file."""
-    if not writer_module._O_DIRECT:
+    if not hashed_file.O_DIRECT:
         pytest.skip("this platform has no O_DIRECT")
     try:
-        fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | writer_module._O_DIRECT, 0o644)
+        fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | hashed_file.O_DIRECT, 0o644)
         os.close(fd)
     except OSError:
         pytest.skip(f"{tmp_path} takes no direct I/O")
     direct: dict[str, int] = {}
-    finish = writer_module._HashedFile.finish
+    finish = hashed_file.HashedFile.finish
 
-    def counting_finish(self: writer_module._HashedFile):  # type: ignore[no-untyped-def]
+    def counting_finish(self: hashed_file.HashedFile):  # type: ignore[no-untyped-def]
         entry = finish(self)
         if self.path.suffix == ".distcp":
             direct[self.path.parent.name] = self.direct_bytes
         return entry
 
-    monkeypatch.setattr(writer_module._HashedFile, "finish", counting_finish)
+    monkeypatch.setattr(hashed_file.HashedFile, "finish", counting_finish)
     live = live_state()
     save(StagingArea().stage(live), tmp_path / "staged")
     save(live, tmp_path / "live")

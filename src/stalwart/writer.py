@@ -40,19 +40,16 @@ working; what changes is how the bytes reach the disk:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import io
 import os
 import pickle
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     FileSystemWriter,
@@ -69,33 +66,23 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from stalwart.hashed_file import DIRECT_ALIGN, HashedFile, Task
 from stalwart.manifest import FileEntry
 from stalwart.save_plan import SavePlanCache
 
 __all__ = ["ChecksummingWriter", "RecordTemplates", "record_settings", "without_zip_crc"]
 
-_BATCH_BYTES = 16 * 2**20
-"""Bytes gathered before one ``writev``: large enough that the syscall cost vanishes."""
-_BATCH_BUFFERS = 512
-"""Buffers gathered before one ``writev``; Linux accepts at most 1024 (IOV_MAX)."""
 _RECORD_ALIGN = 64
 """Each record starts at a multiple of this in its file (zero bytes between records).
 torch aligns a tensor's data to 64 bytes within its record, so the data is then
 64-byte aligned in the file as in memory: the kernel's copy into the page cache
 costs about a tenth less than from unaligned offsets (256 MiB: ~5 ms of CPU).
 DCP reads every record by its offset and length, so the gaps are never read."""
-_DIRECT_ALIGN = 4096
-"""File offset, memory address and length granularity of a direct write: the
-page size, a multiple of the logical block size of every disk."""
 _DIRECT_MIN = 2**20
 """Tensor data smaller than this goes through the page cache (at most a page of
 padding per record buys nothing for small tensors)."""
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-"""0 where the platform has no direct I/O (then every write is buffered)."""
-_ZEROS = bytes(_DIRECT_ALIGN)
+_ZEROS = bytes(DIRECT_ALIGN)
 _METADATA = ".metadata"
-_SYNC_FILE_RANGE_WRITE = 2
-"""``SYNC_FILE_RANGE_WRITE`` of <linux/fs.h>: start write-back, wait for nothing."""
 
 _CRC_LOCK = threading.Lock()
 _CRC_USERS = 0
@@ -291,257 +278,20 @@ def _cut_framing(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
 # --------------------------------------------------------------------------- files
 
 
-def _find_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's ``sync_file_range`` (Linux), or None where there is none."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-_SYNC_FILE_RANGE = _find_sync_file_range()
-
-
-def _start_write_back(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing ``length`` bytes at ``offset`` of ``fd`` to the disk now.
-
-    Only a hint that makes the later fsync shorter: a failure here (an
-    unsupported filesystem) is ignored, because the fsync that follows
-    writes whatever is left and reports every write-back error itself.
-    """
-    if _SYNC_FILE_RANGE is not None and length > 0:
-        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
-
-
-class _Task:
-    """``fn(*args)`` in a thread of its own; ``result`` waits and re-raises its exception.
-
-    Plain threads, not an executor: a save running while the interpreter exits
-    (a script that never closed its manager) may no longer submit to an
-    executor, but it may still start a thread; where even that is refused,
-    the task runs inline.
-    """
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._error: BaseException | None = None
-        self._value: Any = None
-        self._thread: threading.Thread | None = threading.Thread(
-            target=self._run, args=(fn, args), name="stalwart-writer", daemon=False
-        )
-        try:
-            self._thread.start()
-        except RuntimeError:  # no new thread at this point of the interpreter's exit
-            self._thread = None
-            self._run(fn, args)
-
-    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        try:
-            self._value = fn(*args)
-        except BaseException as exc:  # handed to whoever waits, in their thread
-            self._error = exc
-
-    def result(self) -> Any:
-        if self._thread is not None:
-            self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-class _HashedFile:
-    """One new file written with large ``writev`` calls and hashed as it is written.
-
-    ``add`` hashes buffers and queues them; every 16 MiB they go to the kernel
-    in one ``writev`` from the caller's thread. (An I/O thread per file that
-    overlapped the ``writev`` with the next items' preparation was measured
-    too: no faster here, and up to 3x the CPU time on 2 cores.) ``finish``
-    writes what is queued and returns the file's manifest entry; ``sync``
-    fsyncs and closes it (on the same descriptor, so that a write-back error
-    is reported to it). OSErrors name the file.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        self.hash = xxhash.xxh3_128()
-        self.size = 0
-        self.direct_bytes = 0
-        """Bytes written with O_DIRECT, past the page cache."""
-        self._direct_fd: int | None = None
-        self._direct_ok = bool(_O_DIRECT)
-        self._runs: list[tuple[int, list[Any]]] = []
-        """Queued buffers, as runs of consecutive bytes: (file offset, buffers)."""
-        self._last_run_bytes = 0
-        self._pending_buffers = 0
-        self._pending_bytes = 0
-
-    @property
-    def direct(self) -> bool:
-        """Whether direct writes are still worth trying for this file."""
-        return self._direct_ok
-
-    def add_direct(self, view: memoryview, address: int) -> bool:
-        """Write ``view`` (at ``address`` in memory) at the file's end with O_DIRECT.
-
-        Only for a view whose address and length are multiples of the page
-        size, at a page-aligned end of file; False (nothing done) otherwise or
-        where the filesystem refuses direct I/O, and the caller adds it
-        buffered instead. The view must stay unchanged until this returns.
-        """
-        n = view.nbytes
-        if (
-            not self._direct_ok
-            or n == 0
-            or address % _DIRECT_ALIGN
-            or n % _DIRECT_ALIGN
-            or self.size % _DIRECT_ALIGN
-        ):
-            return False
-        fd = self._open_direct()
-        if fd is None:
-            return False
-        # Queued buffered bytes before it stay queued: every write is positional.
-        offset = self.size
-        done = 0
-        with self._naming_errors():
-            while done < n:
-                try:
-                    written = os.pwrite(fd, view[done:], offset + done)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    # This filesystem (or this write's alignment) takes no direct
-                    # I/O after all: the rest of the file goes through the page cache.
-                    self._stop_direct()
-                    break
-                if written <= 0:
-                    raise OSError(errno.EIO, "direct write wrote nothing")
-                done += written
-                if done < n and done % _DIRECT_ALIGN:
-                    self._stop_direct()  # a short write left an unaligned rest
-                    break
-            if done < n:
-                _write_at(self.fd, [view[done:]], offset + done)
-        self.hash.update(view)
-        self.size += n
-        self.direct_bytes += done
-        return True
-
-    def _open_direct(self) -> int | None:
-        if self._direct_fd is None:
-            try:
-                self._direct_fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC | _O_DIRECT)
-            except OSError:
-                self._direct_ok = False  # EINVAL: no direct I/O on this filesystem
-        return self._direct_fd
-
-    def _stop_direct(self) -> None:
-        self._direct_ok = False
-        fd, self._direct_fd = self._direct_fd, None
-        if fd is not None:
-            os.close(fd)
-
-    def add(self, buffers: Sequence[Any]) -> None:
-        """Queue ``buffers`` for writing; they must stay unchanged until ``finish``."""
-        runs = self._runs
-        if runs and runs[-1][0] + self._last_run_bytes == self.size:
-            run = runs[-1][1]
-        else:  # the first run, or a direct write came in between
-            run = []
-            runs.append((self.size, run))
-            self._last_run_bytes = 0
-        for buf in buffers:
-            n = memoryview(buf).nbytes
-            self.hash.update(buf)
-            self.size += n
-            run.append(buf)
-            self._last_run_bytes += n
-            self._pending_bytes += n
-        self._pending_buffers += len(buffers)
-        if self._pending_bytes >= _BATCH_BYTES or self._pending_buffers >= _BATCH_BUFFERS:
-            self.flush()
-
-    def flush(self) -> None:
-        """Write the queued runs at their offsets, then start their write-back."""
-        if not self._runs:
-            return
-        runs, self._runs = self._runs, []
-        self._pending_buffers = self._pending_bytes = 0
-        start = runs[0][0]
-        with self._naming_errors():
-            for offset, run in runs:
-                _write_at(self.fd, [memoryview(b).cast("B") for b in run], offset)
-        _start_write_back(self.fd, start, self.size - start)
-
-    def finish(self) -> FileEntry:
-        """Write what is queued: the file's entry (size, xxh3-128); not yet durable."""
-        self.flush()
-        return FileEntry(path=self.path.name, size=self.size, xxh3_128=self.hash.hexdigest())
-
-    def sync(self) -> None:
-        """fsync and close: the file is durable once this returns."""
-        try:
-            with self._naming_errors():
-                os.fsync(self.fd)
-        finally:
-            self.abandon()
-
-    def abandon(self) -> None:
-        """Close without fsync (after a failure, or once synced); idempotent."""
-        self._stop_direct()
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-    @contextlib.contextmanager
-    def _naming_errors(self) -> Iterator[None]:
-        try:
-            yield
-        except OSError as exc:
-            exc.filename = str(self.path)  # writev and fsync errors name no file by themselves
-            raise
-
-
-def _write_at(fd: int, pending: list[memoryview], offset: int) -> None:
-    """Write ``pending`` at ``offset`` of ``fd``, whatever short writes happen.
-
-    ``lseek`` then ``writev`` rather than ``pwritev``: Python's ``os.pwritev``
-    calls ``pwritev2``, which interposers and tracers of file I/O (the I/O
-    fault shim of the tests among them) may not see. Only the file's own
-    writer thread uses ``fd``, so the seek and the write cannot interleave
-    with another write.
-    """
-    os.lseek(fd, offset, os.SEEK_SET)
-    while pending:
-        written = os.writev(fd, pending)
-        if written == 0 and any(b.nbytes for b in pending):
-            # No progress and no error: retrying would loop forever.
-            raise OSError(errno.EIO, "writev wrote nothing")
-        # A short write (a signal, a filesystem's limit): go on after what it took.
-        while pending and written >= pending[0].nbytes:
-            written -= pending[0].nbytes
-            pending.pop(0)
-        if pending and written:
-            pending[0] = pending[0][written:]
-
-
 def _write_file(
     path: Path,
     storage_key: str,
     items: list[WriteItem],
     planner: SavePlanner,
     templates: RecordTemplates,
-) -> tuple[list[WriteResult], _HashedFile]:
+) -> tuple[list[WriteResult], HashedFile]:
     """Write ``items`` into the new file ``path`` as DCP's ``FileSystemWriter`` lays them out.
 
     Returns the write results and the file, written and hashed but not yet fsynced.
     """
     results: list[WriteResult] = []
     settings = record_settings()
-    out = _HashedFile(path)
+    out = HashedFile(path)
     try:
         # Byte items first, then tensors: the order DCP's own writer uses.
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
@@ -581,18 +331,18 @@ def _write_file(
     return results, out
 
 
-def _direct_candidate(out: _HashedFile, tensor: torch.Tensor, buffers: list[Any]) -> bool:
+def _direct_candidate(out: HashedFile, tensor: torch.Tensor, buffers: list[Any]) -> bool:
     """A templated record (header, data, trailer) whose data can go out with O_DIRECT."""
     return (
         out.direct
         and len(buffers) == 3
         and tensor.nbytes >= _DIRECT_MIN
-        and tensor.data_ptr() % _DIRECT_ALIGN == 0
+        and tensor.data_ptr() % DIRECT_ALIGN == 0
         and len(buffers[0]) % _RECORD_ALIGN == 0
     )
 
 
-def _add_direct_record(out: _HashedFile, tensor: torch.Tensor, buffers: list[Any]) -> int:
+def _add_direct_record(out: HashedFile, tensor: torch.Tensor, buffers: list[Any]) -> int:
     """Add a record whose data starts on a page boundary of the file; returns its offset.
 
     The padding before it keeps the record 64-byte aligned (the header's
@@ -601,12 +351,12 @@ def _add_direct_record(out: _HashedFile, tensor: torch.Tensor, buffers: list[Any
     trailer through the page cache.
     """
     header, data, trailer = buffers
-    pad = -(out.size + len(header)) % _DIRECT_ALIGN
+    pad = -(out.size + len(header)) % DIRECT_ALIGN
     if pad:
         out.add([_ZEROS[:pad]])
     offset = out.size
     out.add([header])
-    whole = data.nbytes - data.nbytes % _DIRECT_ALIGN
+    whole = data.nbytes - data.nbytes % DIRECT_ALIGN
     head = data[:whole]
     if not out.add_direct(head, tensor.data_ptr()):
         out.add([head])
@@ -666,8 +416,8 @@ class ChecksummingWriter(FileSystemWriter):
         self.templates = templates
         self.plans = plans
         self.written: list[FileEntry] = []
-        self._files: list[_HashedFile] = []
-        self._syncs: list[_Task] = []
+        self._files: list[HashedFile] = []
+        self._syncs: list[Task] = []
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data
@@ -685,10 +435,10 @@ class ChecksummingWriter(FileSystemWriter):
 
     def _write_all(
         self, jobs: list[tuple[Path, str, list[WriteItem]]], planner: SavePlanner
-    ) -> list[tuple[list[WriteResult], _HashedFile]]:
+    ) -> list[tuple[list[WriteResult], HashedFile]]:
         """Write every job's file; the first job in this thread, the others in threads of their own."""
-        others = [_Task(_write_file, *job, planner, self.templates) for job in jobs[1:]]
-        outcomes: list[tuple[list[WriteResult], _HashedFile]] = []
+        others = [Task(_write_file, *job, planner, self.templates) for job in jobs[1:]]
+        outcomes: list[tuple[list[WriteResult], HashedFile]] = []
         failure: BaseException | None = None
         try:
             outcomes.append(_write_file(*jobs[0], planner, self.templates))
@@ -706,10 +456,10 @@ class ChecksummingWriter(FileSystemWriter):
             raise failure
         return outcomes
 
-    def _sync_later(self, out: _HashedFile) -> None:
+    def _sync_later(self, out: HashedFile) -> None:
         self._files.append(out)
         self.written.append(out.finish())  # names the file by out.path, as renamed
-        self._syncs.append(_Task(out.sync))
+        self._syncs.append(Task(out.sync))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Write ``.metadata`` as DCP's ``FileSystemWriter`` does (coordinator only), hashed."""
@@ -717,7 +467,7 @@ class ChecksummingWriter(FileSystemWriter):
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
         tmp = Path(self.path) / f"{_METADATA}.tmp"
-        out = _HashedFile(tmp)
+        out = HashedFile(tmp)
         try:
             data = (
                 pickle.dumps(metadata)
