@@ -181,11 +181,26 @@ class HashedFile:
         return True
 
     def _open_direct(self) -> int | None:
-        if self._direct_fd is None:
+        """A second descriptor of this very file, for direct writes; None if there is none.
+
+        Opened by path, so it must be the file ``fd`` created: not through a
+        symbolic link (``O_NOFOLLOW``), and the same device and inode as
+        ``fd`` (a file swapped in at the path since then is left alone, and
+        this file gets buffered writes only).
+        """
+        if self._direct_fd is None and self._direct_ok:
             try:
-                self._direct_fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC | O_DIRECT)
+                fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | O_DIRECT)
             except OSError:
-                self._direct_ok = False  # EINVAL: no direct I/O on this filesystem
+                # EINVAL: no direct I/O on this filesystem; ELOOP: a link at the path.
+                self._direct_ok = False
+                return None
+            mine, theirs = os.fstat(self.fd), os.fstat(fd)
+            if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+                os.close(fd)
+                self._direct_ok = False
+                return None
+            self._direct_fd = fd
         return self._direct_fd
 
     def _stop_direct(self) -> None:
