@@ -484,13 +484,21 @@ def _size_section(entry: dict[str, Any], meta: dict[str, Any], add: Any) -> None
         f"| *ref: raw sequential read{cache_note}* | {_ms(refs['raw_read_cold_s'])} | "
         f"{_ms(refs['raw_read_warm_s'])} | {mibs / refs['raw_read_cold_s']:,.0f} | 1.00 | 1.00 | | |"
     )
-    if refs.get("check_place_cold_s"):
-        cold, warm = refs["check_place_cold_s"], refs["check_place_warm_s"]
+
+    def timed_row(label: str, cold: float, warm: float, note: str) -> None:
+        """A restore row without peak RSS, its ratios to the raw read of the same run."""
         add(
-            f"| *ref: check, then place (read + xxh3, then read into the tensors)* | {_ms(cold)} | "
-            f"{_ms(warm)} | {mibs / cold:,.0f} | {_num(_div(refs['raw_read_cold_s'], cold))} | "
-            f"{_num(_div(refs['raw_read_warm_s'], warm))} | | floor of a restore that checks "
-            f"every byte before it writes a live tensor |"
+            f"| {label} | {_ms(cold)} | {_ms(warm)} | {mibs / cold:,.0f} | "
+            f"{_num(_div(refs['raw_read_cold_s'], cold))} | "
+            f"{_num(_div(refs['raw_read_warm_s'], warm))} | | {note} |"
+        )
+
+    if refs.get("check_place_cold_s"):
+        timed_row(
+            "*ref: check, then place (read + xxh3, then read into the tensors)*",
+            refs["check_place_cold_s"],
+            refs["check_place_warm_s"],
+            "floor of a restore that checks every byte before it writes a live tensor",
         )
     for name, label in RESTORE_NAMES.items():
         m = methods.get(name)
@@ -514,12 +522,12 @@ def _size_section(entry: dict[str, Any], meta: dict[str, Any], add: Any) -> None
             f"{_num(r['restore_warm_x_raw_read'].get(name))} | {rs['restore_peak_rss_mib']:.0f} MiB | {note} |"
         )
         if rs.get("restore_fresh_cold_s"):
-            cold, warm = rs["restore_fresh_cold_s"], rs["restore_fresh_warm_s"]
-            add(
-                f"| {label}, into fresh objects | {_ms(cold)} | {_ms(warm)} | {mibs / cold:,.0f} | "
-                f"{_num(_div(refs['raw_read_cold_s'], cold))} | "
-                f"{_num(_div(refs['raw_read_warm_s'], warm))} | | a newly built model and an "
-                f"optimizer with no state yet (built before the clock starts) |"
+            timed_row(
+                f"{label}, into fresh objects",
+                rs["restore_fresh_cold_s"],
+                rs["restore_fresh_warm_s"],
+                "a newly built model and an optimizer with no state yet (built before the "
+                "clock starts)",
             )
     add("")
 

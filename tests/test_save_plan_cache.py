@@ -114,15 +114,21 @@ def check_reads_back(sd: dict[str, object], path: Path) -> None:
     assert set(md.state_dict_metadata) == set(sd)
 
 
+def saved_twice(tmp_path: Path) -> tuple[SavePlanCache, dict[str, object], Path, Path]:
+    """``base()`` saved twice with one cache: (cache, the state, the second save's
+    directory, a fresh directory for a third save)."""
+    cache, sd = SavePlanCache(), base()
+    a, b, c = staging(tmp_path), staging(tmp_path), staging(tmp_path)
+    save(sd, a, cache)
+    save(sd, b, cache)
+    return cache, sd, b, c
+
+
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_a_changed_layout_is_planned_anew_and_reads_back_exactly(
     tmp_path: Path, change: str
 ) -> None:
-    cache = SavePlanCache()
-    sd = base()
-    a, b, c = staging(tmp_path), staging(tmp_path), staging(tmp_path)
-    save(sd, a, cache)
-    save(sd, b, cache)
+    cache, sd, b, c = saved_twice(tmp_path)
     assert (cache.misses, cache.hits) == (1, 1)
     CHANGES[change](sd)
     save(sd, c, cache)
@@ -135,11 +141,7 @@ def test_new_storage_offsets_under_the_same_plan_are_written_to_the_metadata(
     tmp_path: Path,
 ) -> None:
     """A longer value moves the records after it: the plan is reused, ``.metadata`` is not."""
-    cache = SavePlanCache()
-    sd = base()
-    a, b, c = staging(tmp_path), staging(tmp_path), staging(tmp_path)
-    save(sd, a, cache)
-    save(sd, b, cache)
+    cache, sd, b, c = saved_twice(tmp_path)
     longer_value(sd)
     save(sd, c, cache)
     assert (cache.misses, cache.hits) == (1, 2)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import itertools
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -216,7 +217,7 @@ def _stream(fd: int, spans: list[Span]) -> tuple[str, int, dict[Span, bytearray]
     pos = 0
     hashing: concurrent.futures.Future[Any] | None = None
     with concurrent.futures.ThreadPoolExecutor(1, "stalwart-hash") as pool:
-        for turn in range(1 << 62):
+        for turn in itertools.count():
             view = memoryview(buffers[turn % 2])
             # The buffer hashed two turns ago is free: the last turn waited for it.
             n = os.readv(fd, [view])

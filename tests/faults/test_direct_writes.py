@@ -28,25 +28,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from stalwart.manifest import hash_file
 from stalwart.staging import StagingArea
-from stalwart.writer import ChecksummingWriter, RecordTemplates, without_zip_crc
 from tests.support.iofault import Shim, read_log
+from tests.test_writer_direct import save
 
 root = Path(sys.argv[1])
 torch.manual_seed(0)
 live = {"big": torch.randn(1024, 700), "odd": torch.randn(3, 100_003), "small": torch.randn(10)}
 staged = StagingArea().stage(live)
 
-
-def save(path):
-    writer = ChecksummingWriter(path, templates=RecordTemplates())
-    try:
-        with warnings.catch_warnings(), without_zip_crc():
-            warnings.filterwarnings("ignore")
-            dcp.save(staged, storage_writer=writer, no_dist=True)
-        writer.sync()
-        return list(writer.written)
-    finally:
-        writer.close()
 
 
 def exact(path, written):
@@ -62,7 +51,7 @@ shim = Shim()
 out = {}
 (root / "rec").mkdir()
 shim.arm(root / "rec", log=root / "log.tsv")
-written = save(root / "rec" / "ckpt")
+written = save(staged, root / "rec" / "ckpt")
 shim.disarm()
 ops = read_log(root / "log.tsv")
 direct = [op for op in ops if op.op == "write" and op.size >= 2**20 and op.offset % 4096 == 0]
@@ -74,7 +63,7 @@ for name, code in (("einval", errno.EINVAL), ("enospc", errno.ENOSPC)):
     shim.arm(root / name, fail_at=direct[0].seq, errno=code)
     case = {}
     try:
-        written = save(root / name / "ckpt")
+        written = save(staged, root / name / "ckpt")
         case["failed_op"] = shim.failed_op()
         shim.disarm()
         case["exact"] = exact(root / name / "ckpt", written)
