@@ -592,6 +592,84 @@ def test_garbage_metadata_is_corrupt_with_path(checkpoint: Path, content: bytes)
     assert load_err.value.path == str(checkpoint / ".metadata")
 
 
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+
+
+def _metadata_pickle(planner_data_value: bytes) -> bytes:
+    """A protocol-4 Metadata whose planner_data maps "a" to the given pickle fragment."""
+    return _build_pickle(
+        _global(_DCP_METADATA, "Metadata"),
+        b")\x81}(",  # Metadata.__new__, then its state dict
+        _str("state_dict_metadata") + b"}",
+        _str("storage_data") + b"}",
+        _str("planner_data") + b"}" + _str("a") + planner_data_value + b"s",
+        b"ub",
+    )
+
+
+@pytest.mark.parametrize(
+    ("payload", "complaint"),
+    [
+        # Each claims a length of 1 TiB in a file of a dozen bytes: the unpickler
+        # must not allocate (or zero-fill) it before finding the data missing.
+        (b"\x80\x05\x96" + (1 << 40).to_bytes(8, "little") + b".", "bytearray of 1099511627776"),
+        (b"\x80\x04\x95" + (1 << 40).to_bytes(8, "little") + b"N.", "frame of 1099511627776"),
+        # Lists nested 200,000 deep: refused by the checks, not a RecursionError
+        # from printing the offending value.
+        (_metadata_pickle(b"]" * 200_000 + b"a" * 199_999 + b"\x85"), "nested too deep"),
+        # A StorageMeta is strings only: not a place for structure of the file's choosing.
+        (
+            _build_pickle(
+                _global(_DCP_METADATA, "Metadata"),
+                b")\x81}(",
+                _str("state_dict_metadata") + b"}",
+                _str("storage_data") + b"}",
+                _str("storage_meta") + _global(_DCP_METADATA, "StorageMeta"),
+                b")\x81}" + _str("modules") + b"]K\x01as" + b"b",
+                b"ub",
+            ),
+            "storage_meta is not a StorageMeta of strings",
+        ),
+    ],
+    ids=["bytearray-length", "frame-length", "deep-nesting", "storage-meta-structure"],
+)
+def test_crafted_lengths_and_nesting_are_corrupt_not_allocated_or_crashing(
+    tmp_path: Path, payload: bytes, complaint: str
+) -> None:
+    metadata_file = tmp_path / ".metadata"
+    metadata_file.write_bytes(payload)
+    with pytest.raises(CheckpointCorruptError, match=complaint) as err:
+        read_dcp_metadata(metadata_file)
+    assert err.value.path == str(metadata_file)
+
+
+def test_an_extension_code_cannot_fetch_an_object_find_class_never_saw(tmp_path: Path) -> None:
+    """copyreg's extension cache hands out objects without asking find_class."""
+    import copyreg
+
+    code = 0x5A17
+    copyreg.add_extension("os", "getcwd", code)
+    try:
+        # Any plain unpickling of the code in this process caches os.getcwd for it.
+        assert pickle.loads(b"\x80\x02\x83" + code.to_bytes(2, "little") + b".") is os.getcwd
+        metadata_file = tmp_path / ".metadata"
+        metadata_file.write_bytes(_build_pickle(b"\x83" + code.to_bytes(2, "little") + b")R"))
+        with pytest.raises(UnsafeCheckpointError, match="extension-registry"):
+            read_dcp_metadata(metadata_file)
+    finally:
+        copyreg.remove_extension("os", "getcwd", code)
+        copyreg.clear_extension_cache()
+
+
+def test_metadata_of_many_frames_reads_as_pickle_does(tmp_path: Path) -> None:
+    """Frames (64 KiB each) are skipped, not trusted: a large genuine file reads whole."""
+    state = {f"layer{i}.weight": torch.full((2, 3), float(i)) for i in range(2000)}
+    directory = _save(state, tmp_path / "ck")
+    data = (directory / ".metadata").read_bytes()
+    assert data.count(pickle.FRAME) >= 2 and len(data) > 2 * 65536
+    assert read_dcp_metadata(directory) == _genuine_metadata(directory)
+
+
 @pytest.fixture(scope="module")
 def genuine_metadata(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
     directory = _save(

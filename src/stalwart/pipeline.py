@@ -33,6 +33,7 @@ from stalwart.errors import (
     StalwartError,
     StateMismatchError,
 )
+from stalwart.gc_pause import gc_paused
 from stalwart.layout import MANIFEST_NAME
 from stalwart.manifest import FileEntry, Manifest, hash_file, open_checkpoint_file
 from stalwart.reader import VerifiedFileReader, verified_checkpoint
@@ -404,6 +405,13 @@ def load_checkpoint(
     raising on one rank) is raised on every rank too, as ``StateMismatchError``:
     no rank goes on training while another stopped.
     """
+    with gc_paused():
+        return _load_checkpoint(path, state, strict=strict, coordinator=coordinator)
+
+
+def _load_checkpoint(
+    path: Path, state: Restorable, *, strict: bool, coordinator: Coordinator | None
+) -> Manifest:
     coord = coordinator if coordinator is not None else Coordinator(None, timeout=0.0, name="local")
 
     # Each file is read once: checked in memory here (or when first needed),

@@ -22,6 +22,7 @@ from typing import Any
 from stalwart.distributed import Coordinator, RankError
 from stalwart.errors import CheckpointSaveError, CoordinationError
 from stalwart.events import EventLog
+from stalwart.gc_pause import gc_paused
 from stalwart.pipeline import (
     AsyncSaver,
     OpenedSave,
@@ -105,6 +106,12 @@ class SaveWriter:
             # At most one save in flight: wait for the previous one before staging
             # this one, and report its failure before this step is taken on.
             self.background.wait()
+        with gc_paused():
+            return self._save(step, state, metrics, emergency=emergency)
+
+    def _save(
+        self, step: int, state: TrainState, metrics: dict[str, Any], *, emergency: bool
+    ) -> bool:
         t0 = time.perf_counter()
         opened = self._open(step, state)
         if opened is None:
