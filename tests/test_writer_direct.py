@@ -1,7 +1,8 @@
-"""Direct writes: the whole pages of a page-aligned tensor's data go to the disk with O_DIRECT.
+"""Direct writes: the whole pages of a large tensor's data go to the disk with O_DIRECT.
 
 An async save's staging buffers are page-aligned (``StagingArea``), so the
-writer can send their data past the page cache. These tests check the layout
+writer can send their data past the page cache from where it is; a live
+tensor's (a sync save) goes through a page-aligned bounce buffer. These tests check the layout
 that makes that possible (data on a page boundary of the file, records still
 torch's bytes), that the files read back exactly with torch's own reader, and
 that the direct path really ran. Failures of a direct write (EINVAL from a
@@ -37,6 +38,7 @@ def live_state() -> dict[str, object]:
         "big": torch.randn(1024, 700),  # 2.7 MiB: whole pages only
         "odd": torch.randn(3, 100_003),  # 1.1 MiB: whole pages, then a partial one
         "half": torch.randn(512, 512).to(torch.bfloat16),  # 512 KiB: below the threshold
+        "large": torch.randn(1_100_003),  # 4.2 MiB: a live one goes direct too (bounced)
         "small": torch.randn(10),
         "step": 7,
     }
@@ -80,8 +82,20 @@ def staged_tensor() -> torch.Tensor:
     return t
 
 
+def unaligned_tensor() -> torch.Tensor:
+    """Page-sized data at an address that is not (a live tensor's case): bounced."""
+    n = 3 * hashed_file.BOUNCE_BYTES // 2
+    t = torch.empty(n + 64, dtype=torch.uint8)[64:]
+    t.copy_(torch.arange(n, dtype=torch.int64).to(torch.uint8))
+    assert t.data_ptr() % PAGE != 0
+    return t
+
+
+@pytest.mark.parametrize("memory", ["page-aligned", "bounced"])
 @pytest.mark.parametrize("swap", ["symlink", "another file"])
-def test_a_file_swapped_at_the_path_never_gets_the_direct_writes(tmp_path: Path, swap: str) -> None:
+def test_a_file_swapped_at_the_path_never_gets_the_direct_writes(
+    tmp_path: Path, swap: str, memory: str
+) -> None:
     """The direct descriptor is opened by path: a link or another file put there after
     the file was created (by someone who can write the staging directory) must not
     receive the data; the file being written gets it, buffered."""
@@ -96,7 +110,7 @@ def test_a_file_swapped_at_the_path_never_gets_the_direct_writes(tmp_path: Path,
             path.symlink_to(outside)
         else:
             path.write_bytes(b"decoy")
-        t = staged_tensor()
+        t = staged_tensor() if memory == "page-aligned" else unaligned_tensor()
         view = writer_module._data_view(t)
         assert out.add_direct(view, t.data_ptr()) in (True, False)
         if out.size == 0:  # not taken: the caller adds it buffered
@@ -126,25 +140,26 @@ def test_large_staging_buffers_are_page_aligned_and_own_their_storage() -> None:
     assert empty.numel() == 0
 
 
-def test_page_aligned_data_lands_on_a_page_boundary_and_reads_back_exactly(
-    tmp_path: Path,
+@pytest.mark.parametrize("source", ["staged", "live"])
+def test_direct_data_lands_on_a_page_boundary_and_reads_back_exactly(
+    tmp_path: Path, source: str
 ) -> None:
     live = live_state()
-    staged = StagingArea().stage(live)
-    written = save(staged, tmp_path / "ckpt")
+    written = save(StagingArea().stage(live) if source == "staged" else live, tmp_path / "ckpt")
     for entry in written:
         assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "ckpt" / entry.path)
     metadata = read_dcp_metadata(tmp_path / "ckpt")
     data = (tmp_path / "ckpt" / "__0_0.distcp").read_bytes()
     by_key = {index.fqn: info for index, info in metadata.storage_data.items()}
-    for key in ("big", "odd", "half", "small"):
+    direct = ("big", "odd", "large") if source == "staged" else ("large",)
+    for key in ("big", "odd", "half", "large", "small"):
         info = by_key[key]
         record = data[info.offset : info.offset + info.length]
         assert info.offset % 64 == 0, key  # every record stays 64-byte aligned
         assert record == torch_save_bytes(live[key]), key  # type: ignore[arg-type]
         raw = live[key].reshape(-1).view(torch.uint8).numpy().tobytes()  # type: ignore[union-attr]
         start = info.offset + record.index(raw[:256])
-        if key in ("big", "odd"):
+        if key in direct:
             assert start % PAGE == 0, key  # its whole pages can go out with O_DIRECT
     back = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in live.items()}
     with warnings.catch_warnings():
@@ -156,11 +171,12 @@ def test_page_aligned_data_lands_on_a_page_boundary_and_reads_back_exactly(
     assert back["step"] == 7
 
 
-def test_the_direct_path_runs_for_staged_tensors_and_not_for_live_ones(
+def test_the_direct_path_runs_for_staged_and_for_live_tensors(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Counted on the real files: bytes past the page cache per file (none where the
-    platform or the filesystem has no direct I/O: then the same files, buffered)."""
+    platform or the filesystem has no direct I/O: then the same files, buffered).
+    A live tensor (torch aligns it to 64 bytes) goes through the bounce buffer."""
     direct_io = takes_direct_io(tmp_path)
     direct: dict[str, int] = {}
     finish = hashed_file.HashedFile.finish
@@ -175,12 +191,12 @@ def test_the_direct_path_runs_for_staged_tensors_and_not_for_live_ones(
     live = live_state()
     save(StagingArea().stage(live), tmp_path / "staged")
     save(live, tmp_path / "live")
-    big, odd = live["big"], live["odd"]
-    assert isinstance(big, torch.Tensor) and isinstance(odd, torch.Tensor)
-    whole = big.nbytes + odd.nbytes - odd.nbytes % PAGE
-    assert direct["staged"] == (whole if direct_io else 0)
-    # torch's allocator aligns to 64 bytes: a live tensor's data goes through the page cache.
-    assert direct["live"] == 0 or all(t.data_ptr() % PAGE == 0 for t in (big, odd))
+    pages = {k: v.nbytes - v.nbytes % PAGE for k, v in live.items() if isinstance(v, torch.Tensor)}
+    staged_direct = pages["big"] + pages["odd"] + pages["large"]
+    # Live tensors are torch-allocated (64-byte aligned): from 4 MiB up, bounced.
+    assert live["large"].nbytes >= writer_module._BOUNCE_MIN  # type: ignore[union-attr]
+    assert direct["staged"] == (staged_direct if direct_io else 0)
+    assert direct["live"] == (pages["large"] if direct_io else 0)
 
 
 def test_an_async_manager_save_restores_exactly(tmp_path: Path) -> None:
@@ -201,3 +217,26 @@ def test_an_async_manager_save_restores_exactly(tmp_path: Path) -> None:
         assert ckpt.restore(state) == 1
     for key, value in model.state_dict().items():
         assert torch.equal(value, want[key]), key
+
+
+def test_a_bounced_view_is_written_and_hashed_as_it_was_when_handed_over(tmp_path: Path) -> None:
+    """The I/O thread writes from the bounce buffers, not from the caller's memory:
+    changing the memory after add_direct returned changes nothing in the file."""
+    t = unaligned_tensor()
+    want = bytes(writer_module._data_view(t))
+    out = hashed_file.HashedFile(tmp_path / "f")
+    try:
+        out.add([b"x" * PAGE])  # a buffered page first: positional writes of both kinds
+        assert out.add_direct(writer_module._data_view(t), t.data_ptr()) == takes_direct_io(
+            tmp_path
+        )
+        if out.size == PAGE:  # not taken (no direct I/O here): buffered, from a copy
+            out.add([want])
+        t.zero_()  # the caller reuses its memory at once
+        entry = out.finish()
+        out.sync()
+    finally:
+        out.abandon()
+    assert (tmp_path / "f").read_bytes() == b"x" * PAGE + want
+    assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "f")
+    assert out.direct_bytes == (len(want) if takes_direct_io(tmp_path) else 0)

@@ -1,12 +1,14 @@
 """A direct (O_DIRECT) write that the kernel refuses: EINVAL falls back, ENOSPC fails the save.
 
 The child process runs with the LD_PRELOAD shim (``tests/support/iofault.c``).
-A first save is recorded to find the calls that are direct writes (page-sized
-and page-aligned, from the page-aligned staging buffers); then one save fails
-the first of them with EINVAL, what a filesystem without direct I/O answers,
-and another with ENOSPC, a full disk. The first must still write a file that
-checks and reads back exactly; the second must fail with the error naming the
-file, as a buffered write's failure does.
+For each source of data (page-aligned staging buffers, written from where
+they are, and live tensors, copied through the bounce buffer in pieces), a
+first save is recorded to find the calls that are direct writes (the writer's
+own record of them, matched to the log); then saves fail the first or the last of them with
+EINVAL, what a filesystem without direct I/O answers, and one the first with
+ENOSPC, a full disk. The EINVAL saves must still write files that check and
+read back exactly (the rest of the data buffered); the ENOSPC one must fail
+with the error naming the file, as a buffered write's failure does.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from stalwart import hashed_file
 from tests.support.iofault import build, preload_env
 
 from .test_io_errors import run_child
@@ -33,9 +36,27 @@ from tests.test_writer_direct import save
 
 root = Path(sys.argv[1])
 torch.manual_seed(0)
-live = {"big": torch.randn(1024, 700), "odd": torch.randn(3, 100_003), "small": torch.randn(10)}
-staged = StagingArea().stage(live)
+live = {
+    "big": torch.randn(1024, 700),
+    "odd": torch.randn(3, 100_003),
+    "huge": torch.randn(2_400_003),  # 9.2 MiB: more than one bounce buffer
+    "small": torch.randn(10),
+}
+sources = {"staged": StagingArea().stage(live), "live": live}
 
+# Which calls are direct writes: the log cannot tell a pwrite on the O_DIRECT
+# descriptor from a buffered write of the same size and offset, the writer can.
+from stalwart import hashed_file
+direct_calls = set()
+_write_direct = hashed_file.HashedFile._write_direct
+
+
+def recording_write_direct(self, fd, view, offset):
+    direct_calls.add((offset, view.nbytes))
+    return _write_direct(self, fd, view, offset)
+
+
+hashed_file.HashedFile._write_direct = recording_write_direct
 
 
 def exact(path, written):
@@ -49,30 +70,38 @@ def exact(path, written):
 
 shim = Shim()
 out = {}
-(root / "rec").mkdir()
-shim.arm(root / "rec", log=root / "log.tsv")
-written = save(staged, root / "rec" / "ckpt")
-shim.disarm()
-ops = read_log(root / "log.tsv")
-direct = [op for op in ops if op.op == "write" and op.size >= 2**20 and op.offset % 4096 == 0]
-out["direct"] = [[op.seq, op.offset, op.size] for op in direct]
-out["recorded_exact"] = exact(root / "rec" / "ckpt", written)
-
-for name, code in (("einval", errno.EINVAL), ("enospc", errno.ENOSPC)):
-    (root / name).mkdir()
-    shim.arm(root / name, fail_at=direct[0].seq, errno=code)
-    case = {}
-    try:
-        written = save(staged, root / name / "ckpt")
-        case["failed_op"] = shim.failed_op()
-        shim.disarm()
-        case["exact"] = exact(root / name / "ckpt", written)
-    except CheckpointException as exc:
-        case["failed_op"] = shim.failed_op()
-        shim.disarm()
-        (error, _trace), = exc.failures.values()
-        case["error"] = [type(error).__name__, getattr(error, "errno", None), getattr(error, "filename", None)]
-    out[name] = case
+for source, sd in sources.items():
+    res = out[source] = {}
+    rec = root / source / "rec"
+    rec.mkdir(parents=True)
+    direct_calls.clear()
+    shim.arm(rec, log=root / source / "log.tsv")
+    written = save(sd, rec / "ckpt")
+    shim.disarm()
+    ops = read_log(root / source / "log.tsv")
+    direct = [op for op in ops if op.op == "write" and (op.offset, op.size) in direct_calls]
+    res["direct"] = [[op.seq, op.offset, op.size] for op in direct]
+    res["recorded_exact"] = exact(rec / "ckpt", written)
+    for name, code, which in (
+        ("einval", errno.EINVAL, 0),
+        ("einval_last", errno.EINVAL, -1),
+        ("enospc", errno.ENOSPC, 0),
+    ):
+        where = root / source / name
+        where.mkdir()
+        shim.arm(where, fail_at=direct[which].seq, errno=code)
+        case = {}
+        try:
+            written = save(sd, where / "ckpt")
+            case["failed_op"] = shim.failed_op()
+            shim.disarm()
+            case["exact"] = exact(where / "ckpt", written)
+        except CheckpointException as exc:
+            case["failed_op"] = shim.failed_op()
+            shim.disarm()
+            (error, _trace), = exc.failures.values()
+            case["error"] = [type(error).__name__, getattr(error, "errno", None), getattr(error, "filename", None)]
+        res[name] = case
 print("RESULT " + json.dumps(out))
 """
 
@@ -84,21 +113,39 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run_child(CHILD, str(root), env=preload_env(shim, OMP_NUM_THREADS="1"))
 
 
-def test_the_staged_state_is_written_with_direct_writes(outcome: dict) -> None:
-    # "big" in whole pages, and the whole pages of "odd" (its last partial page is buffered).
-    sizes = [size for _seq, _offset, size in outcome["direct"]]
-    assert len(sizes) == 2 and all(size % 4096 == 0 for size in sizes), outcome["direct"]
-    assert outcome["recorded_exact"]
+SOURCES = ["staged", "live"]
 
 
-def test_a_filesystem_that_refuses_direct_io_gets_the_same_file_buffered(outcome: dict) -> None:
-    case = outcome["einval"]
+@pytest.mark.parametrize("source", SOURCES)
+def test_the_state_is_written_with_direct_writes(outcome: dict, source: str) -> None:
+    # The whole pages of each staged tensor of 1 MiB or more ("odd"'s last partial
+    # page is buffered); a live one from 4 MiB up, in pieces of one bounce buffer.
+    sizes = [size for _seq, _offset, size in outcome[source]["direct"]]
+    assert all(size % 4096 == 0 for size in sizes), outcome[source]["direct"]
+    pages = {"big": 1024 * 700 * 4, "odd": 3 * 100_003 * 4 // 4096 * 4096}
+    pages["huge"] = 2_400_003 * 4 // 4096 * 4096
+    if source == "staged":
+        assert len(sizes) == 3 and sum(sizes) == sum(pages.values())
+    else:  # only "huge" is large enough to bounce: two pieces
+        assert sizes == [hashed_file.BOUNCE_BYTES, pages["huge"] - hashed_file.BOUNCE_BYTES]
+    assert outcome[source]["recorded_exact"]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("which", ["einval", "einval_last"])
+def test_a_filesystem_that_refuses_direct_io_gets_the_same_file_buffered(
+    outcome: dict, source: str, which: str
+) -> None:
+    case = outcome[source][which]
     assert case["failed_op"].startswith("write "), case  # the direct write was the one refused
     assert "error" not in case and case["exact"], case
 
 
-def test_a_full_disk_on_a_direct_write_fails_the_save_naming_the_file(outcome: dict) -> None:
-    case = outcome["enospc"]
+@pytest.mark.parametrize("source", SOURCES)
+def test_a_full_disk_on_a_direct_write_fails_the_save_naming_the_file(
+    outcome: dict, source: str
+) -> None:
+    case = outcome[source]["enospc"]
     assert case["failed_op"].startswith("write "), case
     kind, err, filename = case["error"]
     assert (kind, err) == ("OSError", 28), case  # ENOSPC, as the kernel said it
