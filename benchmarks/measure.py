@@ -552,9 +552,14 @@ def _stalwart_restore_breakdown(path: Path) -> dict[str, float]:
         t0 = time.perf_counter()
         verify_checkpoint(path)
         out["verify_cold_s" if cold else "verify_warm_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    read_dcp_metadata(path)
-    out["read_metadata_s"] = time.perf_counter() - t0
+    # Best of three: one sample caught the kernel reclaiming the page cache the
+    # cold pass filled (233 ms at 1 GiB once, 10 ms in isolation).
+    samples = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        read_dcp_metadata(path)
+        samples.append(time.perf_counter() - t0)
+    out["read_metadata_s"] = min(samples)
     return out
 
 

@@ -89,8 +89,8 @@ _BOUNCE_MIN = 4 * 2**20
 direct, through a bounce buffer, from this size up. Smaller pieces gain nothing:
 each is a synchronous direct write plus a hand-over to the file's I/O thread,
 where the page cache absorbs a buffered one at once (measured on the 64 MiB
-benchmark state, 1.3 MB tensors: no less CPU, 10-15% more wall time; at 5.6 MB
-tensors, a third less CPU than buffered)."""
+benchmark state, 1.3 MB tensors: no less CPU, 6-15% more wall time; at 5.6 MB
+tensors, a quarter to a third less CPU than buffered)."""
 _ZEROS = bytes(DIRECT_ALIGN)
 _METADATA = ".metadata"
 
