@@ -614,6 +614,9 @@ def _metadata_pickle(planner_data_value: bytes) -> bytes:
         # must not allocate (or zero-fill) it before finding the data missing.
         (b"\x80\x05\x96" + (1 << 40).to_bytes(8, "little") + b".", "bytearray of 1099511627776"),
         (b"\x80\x04\x95" + (1 << 40).to_bytes(8, "little") + b"N.", "frame of 1099511627776"),
+        # A memo slot at index 2**32-1: the C unpickler would zero-fill a 64 GiB memo
+        # array for it; this reader keeps a dict, and the file is just not metadata.
+        (b"\x80\x04Nr\xff\xff\xff\xff.", "top-level object is NoneType"),
         # Lists nested 200,000 deep: refused by the checks, not a RecursionError
         # from printing the offending value.
         (_metadata_pickle(b"]" * 200_000 + b"a" * 199_999 + b"\x85"), "nested too deep"),
@@ -631,7 +634,13 @@ def _metadata_pickle(planner_data_value: bytes) -> bytes:
             "storage_meta is not a StorageMeta of strings",
         ),
     ],
-    ids=["bytearray-length", "frame-length", "deep-nesting", "storage-meta-structure"],
+    ids=[
+        "bytearray-length",
+        "frame-length",
+        "memo-index",
+        "deep-nesting",
+        "storage-meta-structure",
+    ],
 )
 def test_crafted_lengths_and_nesting_are_corrupt_not_allocated_or_crashing(
     tmp_path: Path, payload: bytes, complaint: str

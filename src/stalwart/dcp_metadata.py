@@ -160,7 +160,7 @@ class _MetadataUnpickler(pickle._Unpickler):
     BUILD opcode sets attributes on whatever object is on the stack, including an
     allowed class itself, an enum member or a function, so a pickle could rewrite
     ``Metadata`` or poison a cache for the rest of the process; and it grows its
-    memo to whatever index a PUT names (a 12-byte file can make it zero-fill
+    memo to whatever index a PUT names (a 9-byte file can make it zero-fill
     64 GiB). The python one lets every opcode that could reach beyond the file
     be checked: BUILD, the extension-registry opcodes (whose cache hands out
     objects without asking ``find_class``), and every length that would allocate
