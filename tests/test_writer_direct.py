@@ -85,9 +85,12 @@ def staged_tensor() -> torch.Tensor:
 def unaligned_tensor() -> torch.Tensor:
     """Page-sized data at an address that is not (a live tensor's case): bounced."""
     n = 3 * hashed_file.BOUNCE_BYTES // 2
-    t = torch.empty(n + 64, dtype=torch.uint8)[64:]
+    base = torch.empty(n + 2 * PAGE, dtype=torch.uint8)
+    # 64 bytes past a page boundary, wherever the allocator put the buffer.
+    start = (PAGE - base.data_ptr() % PAGE) % PAGE + 64
+    t = base[start : start + n]
     t.copy_(torch.arange(n, dtype=torch.int64).to(torch.uint8))
-    assert t.data_ptr() % PAGE != 0
+    assert t.data_ptr() % PAGE == 64
     return t
 
 
