@@ -232,19 +232,16 @@ class _MetadataUnpickler(pickle._Unpickler):
     def _load_extension(self) -> None:
         raise _Refused("refused an extension-registry object (DCP metadata names none)")
 
-    dispatch: ClassVar[dict[int, Callable[[pickle.Unpickler], None]]] = dict(
-        pickle._Unpickler.dispatch
-    )
-    for _opcode, _handler in (
-        (pickle.BUILD, _load_build),
-        (pickle.FRAME, _load_frame),
-        (pickle.BYTEARRAY8, _load_bytearray8),
-        (pickle.EXT1, _load_extension),
-        (pickle.EXT2, _load_extension),
-        (pickle.EXT4, _load_extension),
-    ):
-        dispatch[_opcode[0]] = cast(Callable[[pickle.Unpickler], None], _handler)
-    del _opcode, _handler
+    dispatch: ClassVar[dict[int, Callable[[pickle.Unpickler], None]]] = {
+        **pickle._Unpickler.dispatch,
+        pickle.BUILD[0]: cast(Callable[[pickle.Unpickler], None], _load_build),
+        pickle.FRAME[0]: cast(Callable[[pickle.Unpickler], None], _load_frame),
+        pickle.BYTEARRAY8[0]: cast(Callable[[pickle.Unpickler], None], _load_bytearray8),
+        **dict.fromkeys(
+            (pickle.EXT1[0], pickle.EXT2[0], pickle.EXT4[0]),
+            cast(Callable[[pickle.Unpickler], None], _load_extension),
+        ),
+    }
 
 
 _BASE_BUILD = pickle._Unpickler.dispatch[pickle.BUILD[0]]
