@@ -251,3 +251,30 @@ def test_a_bounced_view_is_written_and_hashed_as_it_was_when_handed_over(tmp_pat
     assert (tmp_path / "f").read_bytes() == b"x" * PAGE + want
     assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "f")
     assert out.direct_bytes == (len(want) if takes_direct_io(tmp_path) else 0)
+
+
+def test_no_memory_map_for_a_bounce_buffer_means_a_buffered_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mmap can fail (vm.max_map_count, ENOMEM): the view is not taken, and the
+    caller's buffered write gives the same file."""
+
+    def no_map(*_args: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(hashed_file.mmap, "mmap", no_map)
+    monkeypatch.setattr(hashed_file._BOUNCE, "_idle", [])
+    t = unaligned_tensor()
+    view = writer_module._data_view(t)
+    out = hashed_file.HashedFile(tmp_path / "f")
+    try:
+        taken = out.add_direct(view, t.data_ptr())
+        assert not taken and out.size == 0
+        out.add([view])
+        entry = out.finish()
+        out.sync()
+    finally:
+        out.abandon()
+    assert (tmp_path / "f").read_bytes() == bytes(view)
+    assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "f")
+    assert out.direct_bytes == 0

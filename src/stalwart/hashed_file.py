@@ -221,6 +221,12 @@ class HashedFile:
                     write_at(self.fd, [view[done:]], offset + done)
             self._direct_done += done
         else:
+            try:
+                self._free_slot()  # the bounce buffers, before anything is written
+            except OSError:
+                # No memory map left (vm.max_map_count, ENOMEM): the caller
+                # writes it buffered, as staging falls back to ordinary memory.
+                return False
             for start in range(0, n, BOUNCE_BYTES):
                 piece = view[start : start + BOUNCE_BYTES]
                 bounce = self._free_slot()[: piece.nbytes]
@@ -233,8 +239,10 @@ class HashedFile:
     def _free_slot(self) -> memoryview:
         """The next bounce buffer, once the write from it (if any) is done."""
         if not self._slots:
-            self._leases = contextlib.ExitStack()
-            self._slots = [(self._leases.enter_context(_BOUNCE.lease()), None) for _ in range(2)]
+            with contextlib.ExitStack() as leases:
+                buffers = [leases.enter_context(_BOUNCE.lease()) for _ in range(2)]
+                self._leases = leases.pop_all()  # kept until abandon; on error, given back
+            self._slots = [(buf, None) for buf in buffers]
             self._io = ThreadPoolExecutor(1, thread_name_prefix="stalwart-direct")
         buf, pending = self._slots[self._next_slot]
         if pending is not None:
