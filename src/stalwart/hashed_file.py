@@ -193,8 +193,9 @@ class HashedFile:
         """Write ``view`` (at ``address`` in memory) at the file's end with O_DIRECT.
 
         Only for a view whose length is a multiple of the page size, at a
-        page-aligned end of file; False (nothing done) otherwise or where the
-        filesystem refuses direct I/O, and the caller adds it buffered instead.
+        page-aligned end of file; False (nothing done) otherwise, where the
+        filesystem refuses direct I/O, or where no bounce buffer can be mapped,
+        and the caller adds it buffered instead.
         A view at a page-aligned address goes to the disk from where it is,
         before this returns; any other (a live tensor: torch aligns to 64
         bytes) is copied into page-aligned bounce buffers of ``BOUNCE_BYTES``,
