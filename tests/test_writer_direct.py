@@ -143,18 +143,39 @@ def test_large_staging_buffers_are_page_aligned_and_own_their_storage() -> None:
     assert empty.numel() == 0
 
 
+@pytest.fixture(params=["one by one", "packed"])
+def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Records sent direct one at a time, or the whole file packed into the bounce
+    buffers (the writer packs a file from ``_PACK_MIN`` bytes of tensor data)."""
+    if request.param == "one by one":
+        monkeypatch.setattr(writer_module, "_PACK_MIN", 2**62)
+    else:
+        monkeypatch.setattr(writer_module, "_PACK_MIN", 0)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("source", ["staged", "live"])
 def test_direct_data_lands_on_a_page_boundary_and_reads_back_exactly(
-    tmp_path: Path, source: str
+    tmp_path: Path, source: str, packing: str
 ) -> None:
     live = live_state()
-    written = save(StagingArea().stage(live) if source == "staged" else live, tmp_path / "ckpt")
+    sd = StagingArea().stage(live) if source == "staged" else live
+    written = save(sd, tmp_path / "ckpt")
     for entry in written:
         assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "ckpt" / entry.path)
     metadata = read_dcp_metadata(tmp_path / "ckpt")
     data = (tmp_path / "ckpt" / "__0_0.distcp").read_bytes()
     by_key = {index.fqn: info for index, info in metadata.storage_data.items()}
-    direct = ("big", "odd", "large") if source == "staged" else ("large",)
+    if source == "staged":
+        direct: tuple[str, ...] = ("big", "odd", "large")
+    elif packing == "packed":  # packed, but for data page-aligned in memory
+        direct = tuple(
+            k
+            for k in ("big", "odd", "large")
+            if sd[k].data_ptr() % PAGE == 0  # type: ignore[union-attr]
+        )
+    else:
+        direct = ("large",)
     for key in ("big", "odd", "half", "large", "small"):
         info = by_key[key]
         record = data[info.offset : info.offset + info.length]
@@ -174,13 +195,8 @@ def test_direct_data_lands_on_a_page_boundary_and_reads_back_exactly(
     assert back["step"] == 7
 
 
-def test_the_direct_path_runs_for_staged_and_for_live_tensors(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Counted on the real files: bytes past the page cache per file (none where the
-    platform or the filesystem has no direct I/O: then the same files, buffered).
-    A live tensor (torch aligns it to 64 bytes) goes through the bounce buffer."""
-    direct_io = takes_direct_io(tmp_path)
+def count_direct_bytes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Bytes each data file sent past the page cache, by the name of its folder."""
     direct: dict[str, int] = {}
     finish = hashed_file.HashedFile.finish
 
@@ -191,6 +207,45 @@ def test_the_direct_path_runs_for_staged_and_for_live_tensors(
         return entry
 
     monkeypatch.setattr(hashed_file.HashedFile, "finish", counting_finish)
+    return direct
+
+
+def test_a_packed_file_goes_direct_but_for_its_last_partial_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From ``_PACK_MIN`` bytes of tensor data up, every record (small ones, framing,
+    padding) is copied into the bounce buffers: the whole file but its last
+    partial page goes past the page cache, and it reads back exactly."""
+    direct_io = takes_direct_io(tmp_path)
+    direct = count_direct_bytes(monkeypatch)
+    torch.manual_seed(0)
+    many = {f"w{i}": torch.randn(97, 101 + i) for i in range(120)}  # 4.7 MiB, none above 45 KB
+    assert sum(t.nbytes for t in many.values()) >= writer_module._PACK_MIN
+    written = save(dict(many), tmp_path / "packed")
+    size = (tmp_path / "packed" / "__0_0.distcp").stat().st_size
+    assert direct["packed"] == (size - size % PAGE if direct_io else 0)
+    for entry in written:
+        assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "packed" / entry.path)
+    back = {k: torch.zeros_like(v) for k, v in many.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        dcp.load(back, storage_reader=FileSystemReader(tmp_path / "packed"), no_dist=True)
+    assert all(torch.equal(back[k], v) for k, v in many.items())
+    # Below the threshold, the same records go through the page cache.
+    monkeypatch.setattr(writer_module, "_PACK_MIN", 2**62)
+    save(dict(many), tmp_path / "buffered")
+    assert direct["buffered"] == 0
+
+
+def test_the_direct_path_runs_for_staged_and_for_live_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counted on the real files: bytes past the page cache per file (none where the
+    platform or the filesystem has no direct I/O: then the same files, buffered).
+    A live tensor (torch aligns it to 64 bytes) goes through the bounce buffer."""
+    monkeypatch.setattr(writer_module, "_PACK_MIN", 2**62)  # one record at a time
+    direct_io = takes_direct_io(tmp_path)
+    direct = count_direct_bytes(monkeypatch)
     live = live_state()
     save(StagingArea().stage(live), tmp_path / "staged")
     save(live, tmp_path / "live")
@@ -278,3 +333,110 @@ def test_no_memory_map_for_a_bounce_buffer_means_a_buffered_write(
     assert (tmp_path / "f").read_bytes() == bytes(view)
     assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "f")
     assert out.direct_bytes == 0
+
+
+def test_packing_many_buffers_across_bounce_buffers_gives_their_concatenation(
+    tmp_path: Path,
+) -> None:
+    """Buffers of every size (0 bytes, a few bytes, more than a bounce buffer) cross
+    the bounce buffers' ends at odd offsets; a page-aligned view in the middle
+    goes from where it is. The file is their concatenation, hashed as written,
+    and changing a buffer after ``add`` returned changes nothing (it was copied)."""
+    gen = torch.Generator().manual_seed(1)
+    sizes = [0, 3, 64, 4095, 4097, 1, 2**20 + 17, hashed_file.BOUNCE_BYTES + 5, 333, 7]
+    parts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in sizes]
+    aligned = staged_tensor()
+    out = hashed_file.HashedFile(tmp_path / "f")
+    want = b""
+    try:
+        assert out.pack() == takes_direct_io(tmp_path)
+        for n, part in enumerate(parts):
+            view = part.numpy().data
+            out.add([view])
+            want += bytes(view)
+            part.zero_()
+            if n == 5:  # pad to a page, then page-aligned memory, direct as it is
+                pad = -out.size % PAGE
+                out.add([bytes(pad)])
+                data = writer_module._data_view(aligned)
+                assert out.add_direct(data, aligned.data_ptr()) == takes_direct_io(tmp_path)
+                if out.size == len(want) + pad:
+                    out.add([data])
+                want += bytes(pad) + bytes(data)
+        entry = out.finish()
+        out.sync()
+    finally:
+        out.abandon()
+    assert (tmp_path / "f").read_bytes() == want
+    assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "f")
+    if takes_direct_io(tmp_path):
+        assert out.direct_bytes == len(want) - len(want) % PAGE
+
+
+@pytest.mark.parametrize("refusal", ["no memory map", "a link at the path", "unaligned end"])
+def test_a_file_that_cannot_be_packed_is_written_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: str
+) -> None:
+    """``pack`` says False and changes nothing where the bounce buffers cannot be
+    mapped, the direct descriptor cannot be opened safely, or the file's end is
+    not on a page; the buffered file is the same."""
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"precious")
+    path = tmp_path / "f"
+    out = hashed_file.HashedFile(path)
+    head = b"h" * (10 if refusal == "unaligned end" else 0)
+    try:
+        out.add([head])
+        if refusal == "no memory map":
+
+            def no_map(*_args: object) -> None:
+                raise OSError(12, "Cannot allocate memory")
+
+            monkeypatch.setattr(hashed_file.mmap, "mmap", no_map)
+            monkeypatch.setattr(hashed_file._BOUNCE, "_idle", [])
+        elif refusal == "a link at the path":
+            path.rename(tmp_path / "moved")
+            path.symlink_to(outside)
+        assert out.pack() is False
+        body = bytes(range(256)) * 40_000
+        out.add([body])
+        entry = out.finish()
+        out.sync()
+    finally:
+        out.abandon()
+    target = tmp_path / "moved" if refusal == "a link at the path" else path
+    assert target.read_bytes() == head + body
+    assert (entry.size, entry.xxh3_128) == hash_file(target)
+    assert out.direct_bytes == 0 and outside.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_packed_checkpoint_of_many_small_tensors_restores_exactly(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """The benchmark's shape: many tensors far below the direct threshold, 4 MiB and
+    more in all, saved through the manager (packed) and restored through stalwart's
+    own checked reader."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(160, 160) for _ in range(24)))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 160)).sum().backward()
+    opt.step()
+    state = stalwart.TrainState(model=model, optimizer=opt, rng=False)
+    total = sum(p.nbytes for p in model.parameters()) * 3
+    assert total >= writer_module._PACK_MIN
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+    with stalwart.CheckpointManager(tmp_path, every_steps=1, async_save=async_save) as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+            opt.state[p]["exp_avg_sq"].zero_()
+    with stalwart.CheckpointManager(tmp_path, every_steps=1) as ckpt:
+        assert ckpt.restore(state) == 1
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, want[key]), key
+    for p, m in zip(model.parameters(), moments, strict=True):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], m)

@@ -175,6 +175,9 @@ class HashedFile:
         self._leases: contextlib.ExitStack | None = None
         self._runs: list[tuple[int, list[Any]]] = []
         """Queued buffers, as runs of consecutive bytes: (file offset, buffers)."""
+        self._packing = False
+        self._fill = 0
+        """While packing: bytes at the start of the current bounce buffer not yet submitted."""
         self._last_run_bytes = 0
         self._pending_buffers = 0
         self._pending_bytes = 0
@@ -188,6 +191,59 @@ class HashedFile:
     def direct_bytes(self) -> int:
         """Bytes written with O_DIRECT, past the page cache (complete after ``finish``)."""
         return self._direct_done + self._bounced_done
+
+    def pack(self) -> bool:
+        """Send every later ``add`` to the disk with O_DIRECT, packed into bounce buffers.
+
+        For a file of many buffers too small to go direct one by one (the
+        records of a state of many small tensors): they are copied end to end
+        into the page-aligned bounce buffers, hashed there, and each full
+        buffer is written by this file's I/O thread while the caller goes on;
+        the file's last partial page goes through the page cache at ``finish``.
+        A copy into a reused buffer costs less CPU than filling and accounting
+        new page-cache pages, and the file takes no page cache. False, and
+        nothing changed, where direct I/O is off, the file's end is not
+        page-aligned, or no bounce buffer can be mapped.
+        """
+        if self._packing:
+            return True
+        if not self._direct_ok or self.size % DIRECT_ALIGN or self._open_direct() is None:
+            return False
+        try:
+            self._free_slot()
+        except OSError:  # no memory map left: the page cache, as without packing
+            return False
+        self.flush()
+        self._packing = True
+        return True
+
+    def _pack(self, view: memoryview) -> None:
+        """Copy ``view`` into the bounce buffers at the file's end; submit each one filled."""
+        n, done = view.nbytes, 0
+        while done < n:
+            bounce = self._free_slot()  # waits for the write from it, if any, to end
+            take = min(n - done, BOUNCE_BYTES - self._fill)
+            dest = bounce[self._fill : self._fill + take]
+            dest[:] = view[done : done + take]
+            self.hash.update(dest)
+            done += take
+            self._fill += take
+            self.size += take
+            if self._fill == BOUNCE_BYTES:
+                self._fill = 0
+                self._submit(bounce, self.size - BOUNCE_BYTES)
+
+    def _submit_fill(self) -> tuple[memoryview, int] | None:
+        """Submit the whole pages packed so far; the partial page left (view, offset), if any."""
+        fill, self._fill = self._fill, 0
+        if not fill:
+            return None
+        bounce = self._slots[self._next_slot][0]
+        whole = fill - fill % DIRECT_ALIGN
+        start = self.size - fill
+        if whole:
+            self._submit(bounce[:whole], start)
+        return (bounce[whole:fill], start + whole) if whole < fill else None
 
     def add_direct(self, view: memoryview, address: int) -> bool:
         """Write ``view`` (at ``address`` in memory) at the file's end with O_DIRECT.
@@ -213,6 +269,7 @@ class HashedFile:
         if fd is None:
             return False
         # Queued buffered bytes before it stay queued: every write is positional.
+        self._submit_fill()  # packed bytes before it: whole pages, the end being aligned
         offset = self.size
         if address % DIRECT_ALIGN == 0:
             with self._naming_errors():
@@ -339,6 +396,10 @@ class HashedFile:
 
     def add(self, buffers: Sequence[Any]) -> None:
         """Queue ``buffers`` for writing; they must stay unchanged until ``finish``."""
+        if self._packing:
+            for buf in buffers:
+                self._pack(memoryview(buf).cast("B"))
+            return
         runs = self._runs
         if runs and runs[-1][0] + self._last_run_bytes == self.size:
             run = runs[-1][1]
@@ -371,7 +432,11 @@ class HashedFile:
 
     def finish(self) -> FileEntry:
         """Write what is queued: the file's entry (size, xxh3-128); not yet durable."""
+        tail = self._submit_fill()
         self._drain()  # first: the file's writes end in one order, whatever the threads did
+        if tail is not None:
+            with self._naming_errors():
+                write_at(self.fd, [tail[0]], tail[1])
         self.flush()
         return FileEntry(path=self.path.name, size=self.size, xxh3_128=self.hash.hexdigest())
 

@@ -2,7 +2,8 @@
 
 The child process runs with the LD_PRELOAD shim (``tests/support/iofault.c``).
 For each source of data (page-aligned staging buffers, written from where
-they are, and live tensors, copied through the bounce buffer in pieces), a
+they are; live tensors, copied through the bounce buffer in pieces; and a
+packed file, every record copied end to end into the bounce buffers), a
 first save is recorded to find the calls that are direct writes (the writer's
 own record of them, matched to the log); then saves fail the first or the last of them with
 EINVAL, what a filesystem without direct I/O answers, and one the first with
@@ -42,12 +43,14 @@ live = {
     "huge": torch.randn(2_400_003),  # 9.2 MiB: more than one bounce buffer
     "small": torch.randn(10),
 }
-sources = {"staged": StagingArea().stage(live), "live": live}
+sources = {"staged": StagingArea().stage(live), "live": live, "packed": live}
 
 # Which calls are direct writes: the log cannot tell a pwrite on the O_DIRECT
 # descriptor from a buffered write of the same size and offset, the writer can.
 from stalwart import hashed_file
+from stalwart import writer as writer_module
 direct_calls = set()
+PACK_MIN = writer_module._PACK_MIN
 _write_direct = hashed_file.HashedFile._write_direct
 
 
@@ -72,6 +75,8 @@ shim = Shim()
 out = {}
 for source, sd in sources.items():
     res = out[source] = {}
+    # "staged" and "live" one record at a time; "packed": every record through the bounce buffers.
+    writer_module._PACK_MIN = PACK_MIN if source == "packed" else 2**62
     rec = root / source / "rec"
     rec.mkdir(parents=True)
     direct_calls.clear()
@@ -84,6 +89,7 @@ for source, sd in sources.items():
     # torch places a live tensor where its allocator likes: page-aligned ones go direct as they are.
     res["aligned"] = {k: v.data_ptr() % 4096 == 0 for k, v in sd.items()}
     res["recorded_exact"] = exact(rec / "ckpt", written)
+    res["size"] = (rec / "ckpt" / "__0_0.distcp").stat().st_size
     for name, code, which in (
         ("einval", errno.EINVAL, 0),
         ("einval_last", errno.EINVAL, -1),
@@ -115,10 +121,24 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run_child(CHILD, str(root), env=preload_env(shim, OMP_NUM_THREADS="1"))
 
 
-SOURCES = ["staged", "live"]
+SOURCES = ["staged", "live", "packed"]
 
 
-@pytest.mark.parametrize("source", SOURCES)
+def test_a_packed_file_goes_to_the_disk_in_bounce_buffers_but_its_last_partial_page(
+    outcome: dict,
+) -> None:
+    """Every record copied end to end into the bounce buffers (or, page-aligned in
+    memory, written from where it is): all but the file's last partial page is direct."""
+    case = outcome["packed"]
+    sizes = [size for _seq, _offset, size in case["direct"]]
+    assert all(size % 4096 == 0 for size in sizes), case["direct"]
+    assert sum(sizes) == case["size"] - case["size"] % 4096, (sizes, case["size"])
+    if not any(case["aligned"].values()):
+        assert len(sizes) >= 2 and all(s <= hashed_file.BOUNCE_BYTES for s in sizes), sizes
+    assert case["recorded_exact"]
+
+
+@pytest.mark.parametrize("source", ["staged", "live"])
 def test_the_state_is_written_with_direct_writes(outcome: dict, source: str) -> None:
     # The whole pages of each staged tensor of 1 MiB or more ("odd"'s last partial
     # page is buffered); a live one from 4 MiB up, in pieces of one bounce buffer.
