@@ -160,6 +160,42 @@ def test_not_an_rng_state_is_a_value_error(change: dict[str, Any], message: str)
         restore_rng_state(state)
 
 
+def test_a_version_1_state_with_lists_of_ints_still_restores_exactly() -> None:
+    """Checkpoints written before version 2 hold python's and numpy's words as lists."""
+    state = capture_rng_state()
+    old = dict(state, version=1)
+    old["python"] = dict(state["python"], internal=state["python"]["internal"].tolist())
+    old["numpy"] = dict(state["numpy"], key=state["numpy"]["key"].tolist())
+    assert all(type(x) is int for x in old["python"]["internal"] + old["numpy"]["key"])
+    old = roundtrip(old)
+    expected = draws()
+    draws()
+    restore_rng_state(old)
+    assert same(draws(), expected)
+
+
+def test_the_words_are_one_int64_tensor_per_generator_and_come_back_through_the_safe_loader() -> (
+    None
+):
+    state = capture_rng_state()
+    for words, n in ((state["python"]["internal"], 625), (state["numpy"]["key"], 624)):
+        assert words.dtype == torch.int64 and words.shape == (n,)
+    back = roundtrip(state)
+    expected = draws()
+    restore_rng_state(back)
+    assert same(draws(), expected)
+
+
+@pytest.mark.parametrize("words", [torch.zeros(625, dtype=torch.float32), torch.zeros(5, 125)])
+def test_words_of_another_dtype_or_shape_are_a_value_error(words: torch.Tensor) -> None:
+    state = capture_rng_state()
+    state["python"] = dict(
+        state["python"], internal=words.to(torch.int64 if words.dim() == 2 else words.dtype)
+    )
+    with pytest.raises(ValueError, match="not a 1-d int64 one"):
+        restore_rng_state(state)
+
+
 def test_isolated_cpu_rng_restores_the_callers_streams_even_on_error() -> None:
     before = capture_rng_state()
     expected = draws()

@@ -7,16 +7,22 @@ generator and the generator of every CUDA device this process has initialised.
 The captured state is plain data (``int``, ``float``, ``str``, ``None``, lists,
 dicts with ``str`` keys) plus CPU ``torch.Tensor`` values, so it goes through
 ``torch.distributed.checkpoint`` and comes back with ``torch.load(weights_only=True)``
-unchanged. Format (version 1)::
+unchanged. Format (version 2)::
 
     {
-        "version": 1,
-        "python": {"version": 3, "internal": [625 ints], "gauss_next": float | None},
-        "numpy": {"bit_generator": "MT19937", "key": [624 ints], "pos": int,
+        "version": 2,
+        "python": {"version": 3, "internal": LongTensor(625), "gauss_next": float | None},
+        "numpy": {"bit_generator": "MT19937", "key": LongTensor(624), "pos": int,
                   "has_gauss": int, "cached_gaussian": float},   # only with numpy
         "torch": ByteTensor,                                      # CPU generator
         "cuda": [ByteTensor, ...],                                # one per device, may be empty
     }
+
+Version 1 held ``internal`` and ``key`` as lists of ints; it is still
+restored. Version 2 keeps them as int64 tensors because a checkpoint pickles
+this dict on every save, and pickling 1,249 ints one object at a time cost
+about 1 ms of every save's CPU time (``torch.save`` calls back into Python
+for each object); one tensor each is written as raw bytes.
 
 The state is per process (per rank): a checkpoint stores one such dict per rank.
 
@@ -41,7 +47,8 @@ __all__ = ["capture_rng_state", "derive_seed", "isolated_cpu_rng", "restore_rng_
 
 logger = logging.getLogger(__name__)
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _MASK32 = 0xFFFF_FFFF
 _MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 
@@ -78,7 +85,11 @@ def capture_rng_state() -> dict[str, Any]:
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "version": _FORMAT_VERSION,
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+        "python": {
+            "version": version,
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
         "torch": torch.get_rng_state(),
         "cuda": list(torch.cuda.get_rng_state_all()) if cuda_in_use() else [],
     }
@@ -87,7 +98,7 @@ def capture_rng_state() -> dict[str, Any]:
         name, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
         state["numpy"] = {
             "bit_generator": str(name),
-            "key": [int(k) for k in key.tolist()],
+            "key": torch.from_numpy(key.astype(np.int64)),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached_gaussian),
@@ -115,10 +126,11 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     before the first random draw of the resumed run.
     """
     version = state.get("version")
-    if version != _FORMAT_VERSION:
+    if version not in _READABLE_VERSIONS:
         raise ValueError(
-            f"unsupported RNG state version {version!r} (this stalwart reads version "
-            f"{_FORMAT_VERSION}); pass a dict made by stalwart.rng.capture_rng_state"
+            f"unsupported RNG state version {version!r} (this stalwart reads versions "
+            f"{', '.join(map(str, _READABLE_VERSIONS))}); "
+            "pass a dict made by stalwart.rng.capture_rng_state"
         )
     missing = [key for key in ("python", "torch", "cuda") if key not in state]
     if missing:
@@ -128,10 +140,23 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         )
 
     py = state["python"]
-    random.setstate((int(py["version"]), tuple(int(x) for x in py["internal"]), py["gauss_next"]))
+    random.setstate((int(py["version"]), _ints(py["internal"], "python"), py["gauss_next"]))
     torch.set_rng_state(state["torch"])
     _restore_numpy(state.get("numpy"))
     _restore_cuda(list(state["cuda"]))
+
+
+def _ints(values: Any, section: str) -> tuple[int, ...]:
+    """A generator's words: an int64 tensor (version 2) or a list of ints (version 1)."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype != torch.int64 or values.dim() != 1:
+            raise ValueError(
+                f"RNG state's {section} words are a {values.dtype} tensor of shape "
+                f"{tuple(values.shape)}, not a 1-d int64 one; pass a dict made by "
+                "stalwart.rng.capture_rng_state"
+            )
+        return tuple(values.tolist())
+    return tuple(int(x) for x in values)
 
 
 def _restore_numpy(section: Mapping[str, Any] | None) -> None:
@@ -152,7 +177,7 @@ def _restore_numpy(section: Mapping[str, Any] | None) -> None:
     np.random.set_state(
         (
             section["bit_generator"],
-            np.asarray(section["key"], dtype=np.uint32),
+            np.asarray(_ints(section["key"], "numpy"), dtype=np.uint32),
             int(section["pos"]),
             int(section["has_gauss"]),
             float(section["cached_gaussian"]),

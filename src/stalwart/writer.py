@@ -172,8 +172,26 @@ def _torch_save_bytes(tensor: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+    }
+)
+"""dtypes whose tensors ``Tensor.numpy`` takes as they are (no bfloat16, no float8)."""
+
+
 def _data_view(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes, without a copy (a contiguous tensor that owns its whole storage)."""
+    if tensor.dtype in _NUMPY_DTYPES and tensor.dim():
+        return tensor.numpy().data.cast("B")  # a third of the time of the general path
     return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
@@ -329,14 +347,16 @@ def _write_file(
                 if tensor.untyped_storage().nbytes() != tensor.nbytes:
                     tensor = tensor.clone()  # a view: write only its own bytes, as DCP does
                 buffers = templates.record(tensor, settings)
-            if tensor is not None and _direct_candidate(out, tensor, buffers, packed):
+            if (
+                tensor is not None
+                and tensor.nbytes >= _DIRECT_MIN
+                and _direct_candidate(out, tensor, buffers, packed)
+            ):
                 offset = _add_direct_record(out, tensor, buffers)
             else:
                 pad = -out.size % _RECORD_ALIGN
-                if pad:
-                    out.add([_ZEROS[:pad]])
-                offset = out.size
-                out.add(buffers)
+                offset = out.size + pad
+                out.add([_ZEROS[:pad], *buffers] if pad else buffers)
             length = out.size - offset
             results.append(
                 WriteResult(
