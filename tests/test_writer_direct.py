@@ -146,11 +146,9 @@ def test_large_staging_buffers_are_page_aligned_and_own_their_storage() -> None:
 @pytest.fixture(params=["one by one", "packed"])
 def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Records sent direct one at a time, or the whole file packed into the bounce
-    buffers (the writer packs a file from ``_PACK_MIN`` bytes of tensor data)."""
-    if request.param == "one by one":
-        monkeypatch.setattr(writer_module, "_PACK_MIN", 2**62)
-    else:
-        monkeypatch.setattr(writer_module, "_PACK_MIN", 0)
+    buffers (the writer packs the rest of a file once ``_PACK_AFTER`` bytes of
+    tensor records went through the page cache)."""
+    monkeypatch.setattr(writer_module, "_PACK_AFTER", 2**62 if request.param == "one by one" else 0)
     return str(request.param)
 
 
@@ -166,14 +164,10 @@ def test_direct_data_lands_on_a_page_boundary_and_reads_back_exactly(
     metadata = read_dcp_metadata(tmp_path / "ckpt")
     data = (tmp_path / "ckpt" / "__0_0.distcp").read_bytes()
     by_key = {index.fqn: info for index, info in metadata.storage_data.items()}
-    if source == "staged":
+    if source == "staged" and packing == "one by one":
         direct: tuple[str, ...] = ("big", "odd", "large")
-    elif packing == "packed":  # packed, but for data page-aligned in memory
-        direct = tuple(
-            k
-            for k in ("big", "odd", "large")
-            if sd[k].data_ptr() % PAGE == 0  # type: ignore[union-attr]
-        )
+    elif packing == "packed":  # all packed: none is a bounce buffer's size
+        direct = ()
     else:
         direct = ("large",)
     for key in ("big", "odd", "half", "large", "small"):
@@ -213,17 +207,21 @@ def count_direct_bytes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 def test_a_packed_file_goes_direct_but_for_its_last_partial_page(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From ``_PACK_MIN`` bytes of tensor data up, every record (small ones, framing,
-    padding) is copied into the bounce buffers: the whole file but its last
-    partial page goes past the page cache, and it reads back exactly."""
+    """Once ``_PACK_AFTER`` bytes of tensor records went through the page cache,
+    every later record (small ones, framing, padding) is copied into the bounce
+    buffers: the rest of the file but its last partial page goes past the page
+    cache, and it reads back exactly."""
     direct_io = takes_direct_io(tmp_path)
     direct = count_direct_bytes(monkeypatch)
     torch.manual_seed(0)
     many = {f"w{i}": torch.randn(97, 101 + i) for i in range(120)}  # 4.7 MiB, none above 45 KB
-    assert sum(t.nbytes for t in many.values()) >= writer_module._PACK_MIN
+    largest = max(t.nbytes for t in many.values())
     written = save(dict(many), tmp_path / "packed")
     size = (tmp_path / "packed" / "__0_0.distcp").stat().st_size
-    assert direct["packed"] == (size - size % PAGE if direct_io else 0)
+    # The first _PACK_AFTER bytes (and the record that crossed it) through the page cache.
+    rest = size - size % PAGE - writer_module._PACK_AFTER - largest - 2 * PAGE
+    assert rest > 3 * 2**20
+    assert (rest <= direct["packed"] < size) if direct_io else direct["packed"] == 0
     for entry in written:
         assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "packed" / entry.path)
     back = {k: torch.zeros_like(v) for k, v in many.items()}
@@ -231,10 +229,33 @@ def test_a_packed_file_goes_direct_but_for_its_last_partial_page(
         warnings.filterwarnings("ignore")
         dcp.load(back, storage_reader=FileSystemReader(tmp_path / "packed"), no_dist=True)
     assert all(torch.equal(back[k], v) for k, v in many.items())
+    # From the first tensor record on, when packing starts at once.
+    monkeypatch.setattr(writer_module, "_PACK_AFTER", 0)
+    save(dict(many), tmp_path / "all")
+    size = (tmp_path / "all" / "__0_0.distcp").stat().st_size
+    assert direct["all"] == (size - size % PAGE if direct_io else 0)
     # Below the threshold, the same records go through the page cache.
-    monkeypatch.setattr(writer_module, "_PACK_MIN", 2**62)
+    monkeypatch.setattr(writer_module, "_PACK_AFTER", 2**62)
     save(dict(many), tmp_path / "buffered")
     assert direct["buffered"] == 0
+
+
+def test_an_async_save_of_large_page_aligned_buffers_and_few_small_ones_is_not_packed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staged buffers of 1 MiB and more go direct from where they are; packing the
+    small records between them would cut those writes into short ones. Under
+    ``_PACK_AFTER`` bytes of small records, the file is not packed: exactly the
+    large buffers' whole pages go direct."""
+    direct_io = takes_direct_io(tmp_path)
+    direct = count_direct_bytes(monkeypatch)
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(300, 1000) for i in range(6)}  # 1.1 MiB each
+    state |= {f"b{i}": torch.randn(1000) for i in range(6)}  # 4 KB each
+    staged = StagingArea().stage(state)
+    save(staged, tmp_path / "async")
+    pages = sum(t.nbytes - t.nbytes % PAGE for k, t in state.items() if k.startswith("w"))
+    assert direct["async"] == (pages if direct_io else 0)
 
 
 def test_the_direct_path_runs_for_staged_and_for_live_tensors(
@@ -243,7 +264,7 @@ def test_the_direct_path_runs_for_staged_and_for_live_tensors(
     """Counted on the real files: bytes past the page cache per file (none where the
     platform or the filesystem has no direct I/O: then the same files, buffered).
     A live tensor (torch aligns it to 64 bytes) goes through the bounce buffer."""
-    monkeypatch.setattr(writer_module, "_PACK_MIN", 2**62)  # one record at a time
+    monkeypatch.setattr(writer_module, "_PACK_AFTER", 2**62)  # one record at a time
     direct_io = takes_direct_io(tmp_path)
     direct = count_direct_bytes(monkeypatch)
     live = live_state()
@@ -424,7 +445,7 @@ def test_a_packed_checkpoint_of_many_small_tensors_restores_exactly(
     opt.step()
     state = stalwart.TrainState(model=model, optimizer=opt, rng=False)
     total = sum(p.nbytes for p in model.parameters()) * 3
-    assert total >= writer_module._PACK_MIN
+    assert total >= 4 * writer_module._PACK_AFTER
     want = {k: v.clone() for k, v in model.state_dict().items()}
     moments = [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
     with stalwart.CheckpointManager(tmp_path, every_steps=1, async_save=async_save) as ckpt:

@@ -32,14 +32,15 @@ working; what changes is how the bytes reach the disk:
   64-byte aligned). A live tensor's memory (a synchronous save) is not
   page-aligned: from 4 MiB up its data goes direct too, copied through
   reused page-aligned bounce buffers and written by the file's I/O thread
-  (``HashedFile.add_direct``). A file with 4 MiB or more of tensor data is
-  packed (``HashedFile.pack``): every other record, however small, is copied
+  (``HashedFile.add_direct``). Once 1 MiB of tensor records went through the
+  page cache, the rest of the file is packed (``HashedFile.pack``): every
+  later record that does not go direct by itself, however small, is copied
   end to end into the bounce buffers and goes direct too, all but the file's
-  last partial page (the 64 MiB benchmark state, 192 tensors of at most
-  330 KB: a sync save's CPU time from 43 ms to 36 ms, best of 12, against
-  20 ms for a raw write of the same bytes). Smaller files go through the
-  page cache, at explicit offsets. A filesystem that refuses direct I/O (at
-  open or at any write, ``EINVAL``) gets buffered writes for the rest of the file.
+  last partial page (a sync save of the 64 MiB benchmark state, tensors of
+  at most 1.3 MB: CPU time from 50 ms to 39 ms, best of 10, against 20 ms
+  for a raw write of the same bytes). The rest goes through the page cache,
+  at explicit offsets. A filesystem that refuses direct I/O (at open or at
+  any write, ``EINVAL``) gets buffered writes for the rest of the file.
 - A write that fails, in any writer thread, raises in the caller's thread:
   ``dcp.save`` fails, never returns over a short file (torch 2.13's
   ``FileSystemWriter`` loses its other threads' errors).
@@ -74,7 +75,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from stalwart.hashed_file import DIRECT_ALIGN, HashedFile, Task
+from stalwart.hashed_file import BOUNCE_BYTES, DIRECT_ALIGN, HashedFile, Task
 from stalwart.manifest import FileEntry
 from stalwart.save_plan import SavePlanCache
 
@@ -96,10 +97,13 @@ each is a synchronous direct write plus a hand-over to the file's I/O thread,
 where the page cache absorbs a buffered one at once (measured on the 64 MiB
 benchmark state, 1.3 MB tensors: no less CPU, 6-15% more wall time; at 5.6 MB
 tensors, a quarter to a third less CPU than buffered)."""
-_PACK_MIN = 4 * 2**20
-"""A file with at least this many bytes of tensor data is packed (``HashedFile.pack``):
-every record not written direct from its own memory is copied into bounce
-buffers and goes to the disk with O_DIRECT, past the page cache."""
+_PACK_AFTER = 2**20
+"""Once this many bytes of tensor records went through the page cache, the rest
+of the file is packed (``HashedFile.pack``): every later record that does not go
+direct on its own is copied end to end into the bounce buffers and written
+with O_DIRECT. A file whose large tensors go direct by themselves (an async
+save's page-aligned staging buffers) and whose other records are few stays as
+it is: packing would cut the large ones' direct writes into small ones."""
 _ZEROS = bytes(DIRECT_ALIGN)
 _METADATA = ".metadata"
 
@@ -332,9 +336,9 @@ def _write_file(
     try:
         # Byte items first, then tensors: the order DCP's own writer uses.
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
-        tensors = [i for i in items if i.type != WriteItemType.BYTE_IO]
-        ordered += tensors
-        packed = sum(map(_item_bytes, tensors)) >= _PACK_MIN and out.pack()
+        ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
+        packed = False
+        cached = 0  # bytes of tensor records written through the page cache
         for item in ordered:
             data = planner.resolve_data(item)
             tensor = None
@@ -354,9 +358,14 @@ def _write_file(
             ):
                 offset = _add_direct_record(out, tensor, buffers)
             else:
+                if tensor is not None and cached >= _PACK_AFTER:
+                    cached = -1  # tried once: the file packs from here, or never
+                    packed = _start_packing(out)
                 pad = -out.size % _RECORD_ALIGN
                 offset = out.size + pad
                 out.add([_ZEROS[:pad], *buffers] if pad else buffers)
+                if tensor is not None and cached >= 0:
+                    cached += tensor.nbytes
             length = out.size - offset
             results.append(
                 WriteResult(
@@ -377,17 +386,33 @@ def _direct_candidate(
 ) -> bool:
     """A templated record (header, data, trailer) whose data goes out with O_DIRECT on its own.
 
-    In a packed file, only data at a page-aligned address (written from where
-    it is, no copy): the rest is packed into the bounce buffers anyway.
+    In a packed file, only data at a page-aligned address and at least a
+    bounce buffer's size (written from where it is, no copy, worth the short
+    direct write of the packed bytes before it): the rest is packed.
     """
     aligned = tensor.data_ptr() % DIRECT_ALIGN == 0
+    if packed:
+        least = BOUNCE_BYTES if aligned else 2**63
+    else:
+        least = _DIRECT_MIN if aligned else _BOUNCE_MIN
     return (
         out.direct
         and len(buffers) == 3
-        and (aligned or not packed)
-        and tensor.nbytes >= (_DIRECT_MIN if aligned else _BOUNCE_MIN)
+        and tensor.nbytes >= least
         and len(buffers[0]) % _RECORD_ALIGN == 0
     )
+
+
+def _start_packing(out: HashedFile) -> bool:
+    """Zeros up to the file's next page boundary, then ``out.pack()``; whether it packs.
+
+    The zeros are a gap between records, which no reader reads (every record
+    is read by its offset and length).
+    """
+    pad = -out.size % DIRECT_ALIGN
+    if pad:
+        out.add([_ZEROS[:pad]])
+    return out.pack()
 
 
 def _add_direct_record(out: HashedFile, tensor: torch.Tensor, buffers: list[Any]) -> int:

@@ -50,7 +50,6 @@ sources = {"staged": StagingArea().stage(live), "live": live, "packed": live}
 from stalwart import hashed_file
 from stalwart import writer as writer_module
 direct_calls = set()
-PACK_MIN = writer_module._PACK_MIN
 _write_direct = hashed_file.HashedFile._write_direct
 
 
@@ -76,7 +75,7 @@ out = {}
 for source, sd in sources.items():
     res = out[source] = {}
     # "staged" and "live" one record at a time; "packed": every record through the bounce buffers.
-    writer_module._PACK_MIN = PACK_MIN if source == "packed" else 2**62
+    writer_module._PACK_AFTER = 0 if source == "packed" else 2**62
     rec = root / source / "rec"
     rec.mkdir(parents=True)
     direct_calls.clear()
