@@ -44,8 +44,9 @@ def live_state() -> dict[str, object]:
     }
 
 
-def save(sd: dict[str, object], path: Path) -> list:
-    writer = ChecksummingWriter(path, templates=RecordTemplates())
+def save(sd: dict[str, object], path: Path, *, pack: bool = False) -> list:
+    """What a save writes through ``ChecksummingWriter``; ``pack`` as in the background."""
+    writer = ChecksummingWriter(path, templates=RecordTemplates(), pack=pack)
     try:
         with warnings.catch_warnings(), without_zip_crc():
             warnings.filterwarnings("ignore")
@@ -158,7 +159,7 @@ def test_direct_data_lands_on_a_page_boundary_and_reads_back_exactly(
 ) -> None:
     live = live_state()
     sd = StagingArea().stage(live) if source == "staged" else live
-    written = save(sd, tmp_path / "ckpt")
+    written = save(sd, tmp_path / "ckpt", pack=packing == "packed")
     for entry in written:
         assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "ckpt" / entry.path)
     metadata = read_dcp_metadata(tmp_path / "ckpt")
@@ -216,7 +217,7 @@ def test_a_packed_file_goes_direct_but_for_its_last_partial_page(
     torch.manual_seed(0)
     many = {f"w{i}": torch.randn(97, 101 + i) for i in range(120)}  # 4.7 MiB, none above 45 KB
     largest = max(t.nbytes for t in many.values())
-    written = save(dict(many), tmp_path / "packed")
+    written = save(dict(many), tmp_path / "packed", pack=True)
     size = (tmp_path / "packed" / "__0_0.distcp").stat().st_size
     # The first _PACK_AFTER bytes (and the record that crossed it) through the page cache.
     rest = size - size % PAGE - writer_module._PACK_AFTER - largest - 2 * PAGE
@@ -231,12 +232,14 @@ def test_a_packed_file_goes_direct_but_for_its_last_partial_page(
     assert all(torch.equal(back[k], v) for k, v in many.items())
     # From the first tensor record on, when packing starts at once.
     monkeypatch.setattr(writer_module, "_PACK_AFTER", 0)
-    save(dict(many), tmp_path / "all")
+    save(dict(many), tmp_path / "all", pack=True)
     size = (tmp_path / "all" / "__0_0.distcp").stat().st_size
     assert direct["all"] == (size - size % PAGE if direct_io else 0)
-    # Below the threshold, the same records go through the page cache.
+    # Below the threshold, or not in the background, the same records go through the page cache.
+    save(dict(many), tmp_path / "sync")
+    assert direct["sync"] == 0
     monkeypatch.setattr(writer_module, "_PACK_AFTER", 2**62)
-    save(dict(many), tmp_path / "buffered")
+    save(dict(many), tmp_path / "buffered", pack=True)
     assert direct["buffered"] == 0
 
 
@@ -253,7 +256,7 @@ def test_an_async_save_of_large_page_aligned_buffers_and_few_small_ones_is_not_p
     state = {f"w{i}": torch.randn(300, 1000) for i in range(6)}  # 1.1 MiB each
     state |= {f"b{i}": torch.randn(1000) for i in range(6)}  # 4 KB each
     staged = StagingArea().stage(state)
-    save(staged, tmp_path / "async")
+    save(staged, tmp_path / "async", pack=True)
     pages = sum(t.nbytes - t.nbytes % PAGE for k, t in state.items() if k.startswith("w"))
     assert direct["async"] == (pages if direct_io else 0)
 
@@ -433,11 +436,22 @@ def test_a_file_that_cannot_be_packed_is_written_buffered(
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_packed_checkpoint_of_many_small_tensors_restores_exactly(
-    tmp_path: Path, async_save: bool
+    tmp_path: Path, async_save: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The benchmark's shape: many tensors far below the direct threshold, 4 MiB and
-    more in all, saved through the manager (packed) and restored through stalwart's
-    own checked reader."""
+    """Many tensors far below the direct threshold, 4 MiB and more in all, saved
+    through the manager (packed when async, through the page cache when sync) and
+    restored through stalwart's own checked reader."""
+    direct_io = takes_direct_io(tmp_path)
+    direct: list[int] = []
+    finish = hashed_file.HashedFile.finish
+
+    def counting_finish(self: hashed_file.HashedFile):  # type: ignore[no-untyped-def]
+        entry = finish(self)
+        if self.path.suffix == ".distcp":
+            direct.append(self.direct_bytes)
+        return entry
+
+    monkeypatch.setattr(hashed_file.HashedFile, "finish", counting_finish)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(160, 160) for _ in range(24)))
     opt = torch.optim.AdamW(model.parameters())
@@ -451,6 +465,9 @@ def test_a_packed_checkpoint_of_many_small_tensors_restores_exactly(
     with stalwart.CheckpointManager(tmp_path, every_steps=1, async_save=async_save) as ckpt:
         ckpt.save(1, state)
         ckpt.wait()
+    assert direct and (
+        sum(direct) > total - 2 * 2**20 if async_save and direct_io else sum(direct) == 0
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()

@@ -185,6 +185,7 @@ def write_and_commit(
     coordinator: Coordinator | None = None,
     templates: RecordTemplates | None = None,
     plans: SavePlanCache | None = None,
+    pack: bool = False,
 ) -> SaveResult:
     """THE COMMIT PROTOCOL: write ``opened`` into its staging directory and commit it.
 
@@ -203,6 +204,8 @@ def write_and_commit(
     ``torch.save`` framing of tensor layouts it has written before, and
     ``plans`` (kept likewise) DCP's global plan, ``.metadata`` and small
     values while the state's layout is unchanged (``stalwart.save_plan``).
+    ``pack``: a save in the background, whose data files may be packed
+    (``ChecksummingWriter``).
 
     On any failure, on any rank, every rank raises ``CheckpointSaveError``
     (cause chained), the staging directory is removed and nothing is committed;
@@ -223,7 +226,7 @@ def write_and_commit(
         try:
             reports = coord.agree_all(
                 lambda: _write_mine(
-                    opened.state_dict, staging, coord, step, timing, templates, plans
+                    opened.state_dict, staging, coord, step, timing, templates, plans, pack
                 ),
                 catch=(CheckpointSaveError,),
                 remote=lambda rep: CheckpointSaveError(rep.message),
@@ -280,6 +283,7 @@ def _write_mine(
     timing: dict[str, float],
     templates: RecordTemplates,
     plans: SavePlanCache,
+    pack: bool,
 ) -> list[FileEntry]:
     """Write this rank's part with DCP through ``ChecksummingWriter``: its files, fsynced, with checksums.
 
@@ -289,7 +293,7 @@ def _write_mine(
     try:
         try:
             writer = ChecksummingWriter(
-                staging, threads=WRITER_THREADS, templates=templates, plans=plans
+                staging, threads=WRITER_THREADS, templates=templates, plans=plans, pack=pack
             )
             try:
                 with warnings.catch_warnings(), without_zip_crc():

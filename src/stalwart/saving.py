@@ -135,7 +135,7 @@ class SaveWriter:
         assert coord is not None
 
         def job() -> SaveResult:
-            result = self._write(opened, fields, coord)
+            result = self._write(opened, fields, coord, pack=True)
             self._after_commit(
                 result,
                 stall_s=stall,
@@ -215,8 +215,13 @@ class SaveWriter:
             return None
         return opened
 
-    def _write(self, opened: OpenedSave, fields: dict[str, Any], coord: Coordinator) -> SaveResult:
-        """Collectives 3 and 4: write and commit (``pipeline.write_and_commit``), in any thread."""
+    def _write(
+        self, opened: OpenedSave, fields: dict[str, Any], coord: Coordinator, *, pack: bool = False
+    ) -> SaveResult:
+        """Collectives 3 and 4: write and commit (``pipeline.write_and_commit``), in any thread.
+
+        ``pack``: written in the background (see ``ChecksummingWriter``).
+        """
         try:
             return write_and_commit(
                 self.storage,
@@ -225,6 +230,7 @@ class SaveWriter:
                 coordinator=coord,
                 templates=self.templates,
                 plans=self.plans,
+                pack=pack,
             )
         except CheckpointSaveError as exc:
             self.events.emit("save_failed", logging.ERROR, step=opened.step, error=str(exc))

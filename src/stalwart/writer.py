@@ -32,14 +32,17 @@ working; what changes is how the bytes reach the disk:
   64-byte aligned). A live tensor's memory (a synchronous save) is not
   page-aligned: from 4 MiB up its data goes direct too, copied through
   reused page-aligned bounce buffers and written by the file's I/O thread
-  (``HashedFile.add_direct``). Once 1 MiB of tensor records went through the
-  page cache, the rest of the file is packed (``HashedFile.pack``): every
-  later record that does not go direct by itself, however small, is copied
-  end to end into the bounce buffers and goes direct too, all but the file's
-  last partial page (a sync save of the 64 MiB benchmark state, tensors of
-  at most 1.3 MB: CPU time from 50 ms to 39 ms, best of 10, against 20 ms
-  for a raw write of the same bytes). The rest goes through the page cache,
-  at explicit offsets. A filesystem that refuses direct I/O (at open or at
+  (``HashedFile.add_direct``). In a save written in the background (async),
+  once 1 MiB of tensor records went through the page cache, the rest of the
+  file is packed (``HashedFile.pack``): every later record that does not go
+  direct by itself, however small, is copied end to end into the bounce
+  buffers and goes direct too, all but the file's last partial page. That
+  costs less CPU time (the 64 MiB benchmark state, tensors of 1.3 MB, saved
+  packed: 39 ms against 50 ms, best of 10, and 20 ms for a raw write) but
+  more wall time on a disk whose direct writes are slower than the page
+  cache's write-back (the same state in one benchmark run: 94 ms against
+  79 ms), so a synchronous save, which training waits for, is not packed.
+  The rest goes through the page cache, at explicit offsets. A filesystem that refuses direct I/O (at open or at
   any write, ``EINVAL``) gets buffered writes for the rest of the file.
 - A write that fails, in any writer thread, raises in the caller's thread:
   ``dcp.save`` fails, never returns over a short file (torch 2.13's
@@ -325,10 +328,12 @@ def _write_file(
     items: list[WriteItem],
     planner: SavePlanner,
     templates: RecordTemplates,
+    pack: bool = False,
 ) -> tuple[list[WriteResult], HashedFile]:
     """Write ``items`` into the new file ``path`` as DCP's ``FileSystemWriter`` lays them out.
 
-    Returns the write results and the file, written and hashed but not yet fsynced.
+    ``pack``: the file may be packed (see ``_PACK_AFTER``). Returns the write
+    results and the file, written and hashed but not yet fsynced.
     """
     results: list[WriteResult] = []
     settings = record_settings()
@@ -338,7 +343,7 @@ def _write_file(
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
         packed = False
-        cached = 0  # bytes of tensor records written through the page cache
+        cached = 0 if pack else -1  # bytes of tensor records written through the page cache
         for item in ordered:
             data = planner.resolve_data(item)
             tensor = None
@@ -473,6 +478,9 @@ class ChecksummingWriter(FileSystemWriter):
     happened; ``templates`` is kept across saves to skip ``torch.save`` for
     layouts seen before, and ``plans`` (when given, kept across saves too)
     to reuse the last save's ``.metadata`` pickle when only its names changed.
+    ``pack`` lets its files be packed (``_PACK_AFTER``): for a save in the
+    background, whose CPU time competes with training and whose wall time
+    nobody waits for.
     """
 
     def __init__(
@@ -482,12 +490,14 @@ class ChecksummingWriter(FileSystemWriter):
         threads: int = 1,
         templates: RecordTemplates,
         plans: SavePlanCache | None = None,
+        pack: bool = False,
     ) -> None:
         if threads < 1:
             raise ValueError(f"threads={threads}: a rank needs at least one writer thread")
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=threads)
         self.templates = templates
         self.plans = plans
+        self.pack = pack
         self.written: list[FileEntry] = []
         self._files: list[HashedFile] = []
         self._syncs: list[Task] = []
@@ -510,11 +520,11 @@ class ChecksummingWriter(FileSystemWriter):
         self, jobs: list[tuple[Path, str, list[WriteItem]]], planner: SavePlanner
     ) -> list[tuple[list[WriteResult], HashedFile]]:
         """Write every job's file; the first job in this thread, the others in threads of their own."""
-        others = [Task(_write_file, *job, planner, self.templates) for job in jobs[1:]]
+        others = [Task(_write_file, *job, planner, self.templates, self.pack) for job in jobs[1:]]
         outcomes: list[tuple[list[WriteResult], HashedFile]] = []
         failure: BaseException | None = None
         try:
-            outcomes.append(_write_file(*jobs[0], planner, self.templates))
+            outcomes.append(_write_file(*jobs[0], planner, self.templates, self.pack))
         except BaseException as exc:
             failure = exc
         for task in others:

@@ -80,7 +80,7 @@ for source, sd in sources.items():
     rec.mkdir(parents=True)
     direct_calls.clear()
     shim.arm(rec, log=root / source / "log.tsv")
-    written = save(sd, rec / "ckpt")
+    written = save(sd, rec / "ckpt", pack=source == "packed")
     shim.disarm()
     ops = read_log(root / source / "log.tsv")
     direct = [op for op in ops if op.op == "write" and (op.offset, op.size) in direct_calls]
@@ -99,7 +99,7 @@ for source, sd in sources.items():
         shim.arm(where, fail_at=direct[which].seq, errno=code)
         case = {}
         try:
-            written = save(sd, where / "ckpt")
+            written = save(sd, where / "ckpt", pack=source == "packed")
             case["failed_op"] = shim.failed_op()
             shim.disarm()
             case["exact"] = exact(where / "ckpt", written)
