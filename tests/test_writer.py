@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import threading
 import warnings
 from pathlib import Path
@@ -272,3 +273,34 @@ def test_a_tensor_changed_after_it_was_hashed_is_caught_by_the_checksum(
     assert changed
     (entry,) = [e for e in writer.written if e.path.endswith(".distcp")]
     assert hash_file(tmp_path / "ckpt" / entry.path) != (entry.size, entry.xxh3_128)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.bfloat16,
+        torch.complex64,
+        torch.float8_e4m3fn,
+    ],
+)
+@pytest.mark.parametrize("shape", [(2, 3, 4), (5,), ()])
+def test_a_tensors_bytes_are_its_memory_whatever_its_dtype_and_shape(
+    dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    """``_data_view`` takes numpy's shortcut where numpy knows the dtype: the same
+    bytes, as one flat run of unsigned bytes, as the general path's."""
+    from stalwart.writer import _data_view
+
+    t = (torch.arange(max(1, math.prod(shape))).reshape(shape) * 37 % 11).to(dtype)
+    view = _data_view(t)
+    assert view.format == "B" and view.ndim == 1
+    assert bytes(view) == t.reshape(-1).view(torch.uint8).numpy().tobytes()
