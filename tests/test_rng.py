@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from stalwart.rng import capture_rng_state, derive_seed, isolated_cpu_rng, restore_rng_state
+from stalwart.rng import (
+    capture_rng_state,
+    derive_seed,
+    isolated_cpu_rng,
+    packed_rng_state,
+    restore_rng_state,
+)
 
 
 def draws() -> list[Any]:
@@ -160,38 +166,31 @@ def test_not_an_rng_state_is_a_value_error(change: dict[str, Any], message: str)
         restore_rng_state(state)
 
 
-def test_a_version_1_state_with_lists_of_ints_still_restores_exactly() -> None:
-    """Checkpoints written before version 2 hold python's and numpy's words as lists."""
+def test_a_state_is_version_1_with_lists_and_a_checkpoints_is_version_2_with_tensors() -> None:
+    """``capture_rng_state`` gives lists of ints (comparable with ``==``); a checkpoint
+    stores ``packed_rng_state``'s int64 tensors, written as raw bytes; both restore."""
     state = capture_rng_state()
-    old = dict(state, version=1)
-    old["python"] = dict(state["python"], internal=state["python"]["internal"].tolist())
-    old["numpy"] = dict(state["numpy"], key=state["numpy"]["key"].tolist())
-    assert all(type(x) is int for x in old["python"]["internal"] + old["numpy"]["key"])
-    old = roundtrip(old)
-    expected = draws()
-    draws()
-    restore_rng_state(old)
-    assert same(draws(), expected)
-
-
-def test_the_words_are_one_int64_tensor_per_generator_and_come_back_through_the_safe_loader() -> (
-    None
-):
-    state = capture_rng_state()
-    for words, n in ((state["python"]["internal"], 625), (state["numpy"]["key"], 624)):
+    assert state["version"] == 1
+    assert all(type(x) is int for x in state["python"]["internal"] + state["numpy"]["key"])
+    packed = packed_rng_state(state)
+    assert packed["version"] == 2 and state["version"] == 1  # a copy, the input unchanged
+    for words, n in ((packed["python"]["internal"], 625), (packed["numpy"]["key"], 624)):
         assert words.dtype == torch.int64 and words.shape == (n,)
-    back = roundtrip(state)
-    expected = draws()
-    restore_rng_state(back)
-    assert same(draws(), expected)
+    assert packed["python"]["internal"].tolist() == state["python"]["internal"]
+    assert packed["numpy"]["key"].tolist() == state["numpy"]["key"]
+    for stored in (roundtrip(state), roundtrip(packed)):
+        expected = draws()
+        draws()
+        restore_rng_state(stored)
+        assert same(draws(), expected)
+        restore_rng_state(state)
 
 
 @pytest.mark.parametrize("words", [torch.zeros(625, dtype=torch.float32), torch.zeros(5, 125)])
 def test_words_of_another_dtype_or_shape_are_a_value_error(words: torch.Tensor) -> None:
-    state = capture_rng_state()
-    state["python"] = dict(
-        state["python"], internal=words.to(torch.int64 if words.dim() == 2 else words.dtype)
-    )
+    state = packed_rng_state(capture_rng_state())
+    bad = words.to(torch.int64) if words.dim() == 2 else words
+    state["python"] = dict(state["python"], internal=bad)
     with pytest.raises(ValueError, match="not a 1-d int64 one"):
         restore_rng_state(state)
 

@@ -7,22 +7,22 @@ generator and the generator of every CUDA device this process has initialised.
 The captured state is plain data (``int``, ``float``, ``str``, ``None``, lists,
 dicts with ``str`` keys) plus CPU ``torch.Tensor`` values, so it goes through
 ``torch.distributed.checkpoint`` and comes back with ``torch.load(weights_only=True)``
-unchanged. Format (version 2)::
+unchanged. Format (version 1)::
 
     {
-        "version": 2,
-        "python": {"version": 3, "internal": LongTensor(625), "gauss_next": float | None},
-        "numpy": {"bit_generator": "MT19937", "key": LongTensor(624), "pos": int,
+        "version": 1,
+        "python": {"version": 3, "internal": [625 ints], "gauss_next": float | None},
+        "numpy": {"bit_generator": "MT19937", "key": [624 ints], "pos": int,
                   "has_gauss": int, "cached_gaussian": float},   # only with numpy
         "torch": ByteTensor,                                      # CPU generator
         "cuda": [ByteTensor, ...],                                # one per device, may be empty
     }
 
-Version 1 held ``internal`` and ``key`` as lists of ints; it is still
-restored. Version 2 keeps them as int64 tensors because a checkpoint pickles
-this dict on every save, and pickling 1,249 ints one object at a time cost
-about 1 ms of every save's CPU time (``torch.save`` calls back into Python
-for each object); one tensor each is written as raw bytes.
+A checkpoint stores version 2 (:func:`packed_rng_state`): the same dict with
+``internal`` and ``key`` as int64 tensors, because ``torch.save`` pickles a
+list of 1,249 ints one object at a time, about half a millisecond of every
+save's CPU time, and writes a tensor as raw bytes. :func:`restore_rng_state`
+reads both versions.
 
 The state is per process (per rank): a checkpoint stores one such dict per rank.
 
@@ -43,12 +43,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["capture_rng_state", "derive_seed", "isolated_cpu_rng", "restore_rng_state"]
+__all__ = [
+    "capture_rng_state",
+    "derive_seed",
+    "isolated_cpu_rng",
+    "packed_rng_state",
+    "restore_rng_state",
+]
 
 logger = logging.getLogger(__name__)
 
-_FORMAT_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
+_FORMAT_VERSION = 1
+_PACKED_VERSION = 2
+_READABLE_VERSIONS = (_FORMAT_VERSION, _PACKED_VERSION)
 _MASK32 = 0xFFFF_FFFF
 _MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 
@@ -85,11 +92,7 @@ def capture_rng_state() -> dict[str, Any]:
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "version": _FORMAT_VERSION,
-        "python": {
-            "version": version,
-            "internal": torch.tensor(internal, dtype=torch.int64),
-            "gauss_next": gauss_next,
-        },
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
         "torch": torch.get_rng_state(),
         "cuda": list(torch.cuda.get_rng_state_all()) if cuda_in_use() else [],
     }
@@ -98,12 +101,27 @@ def capture_rng_state() -> dict[str, Any]:
         name, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
         state["numpy"] = {
             "bit_generator": str(name),
-            "key": torch.from_numpy(key.astype(np.int64)),
+            "key": [int(k) for k in key.tolist()],
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached_gaussian),
         }
     return state
+
+
+def packed_rng_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` (from :func:`capture_rng_state`) as a checkpoint stores it: version 2.
+
+    Python's and numpy's generator words become one int64 tensor each, which
+    ``torch.save`` writes as raw bytes; :func:`restore_rng_state` takes either.
+    """
+    packed = dict(state, version=_PACKED_VERSION)
+    py = state["python"]
+    packed["python"] = dict(py, internal=torch.tensor(list(py["internal"]), dtype=torch.int64))
+    if "numpy" in state:
+        section = state["numpy"]
+        packed["numpy"] = dict(section, key=torch.tensor(list(section["key"]), dtype=torch.int64))
+    return packed
 
 
 def restore_rng_state(state: Mapping[str, Any]) -> None:

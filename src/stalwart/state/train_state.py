@@ -48,7 +48,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from stalwart import distributed
-from stalwart.rng import capture_rng_state, restore_rng_state
+from stalwart.rng import capture_rng_state, packed_rng_state, restore_rng_state
 from stalwart.state.native import NativeStateDict
 from stalwart.state.per_rank import EXTRA_KEYS, PER_RANK, digest, value_at, with_own_values
 from stalwart.state.plain import META, blob, check_plain, unblob
@@ -175,7 +175,11 @@ class TrainState:
             sd[name] = blob(obj.state_dict(), f"[{name!r}]")
             candidates.append((f"section:{name}", (name,)))
         if self.rng:
-            sd["rng"] = {f"rank_{distributed.get_rank()}": blob(capture_rng_state(), "['rng']")}
+            sd["rng"] = {
+                f"rank_{distributed.get_rank()}": blob(
+                    packed_rng_state(capture_rng_state()), "['rng']"
+                )
+            }
         if self.extra is not None:
             sd["extra"] = blob(dict(self.extra), "['extra']")
             candidates.extend((f"extra:{k}", ("extra", k)) for k in self.extra)
