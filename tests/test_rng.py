@@ -195,6 +195,30 @@ def test_words_of_another_dtype_or_shape_are_a_value_error(words: torch.Tensor) 
         restore_rng_state(state)
 
 
+@pytest.mark.parametrize("section", ["python", "numpy"])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("word", [-1, 2**32, 2**63 - 1])
+def test_a_crafted_word_out_of_32_bits_is_a_value_error_and_changes_nothing(
+    packed: bool, word: int, section: str
+) -> None:
+    """A checkpoint's RNG words are input: one out of range is refused before any
+    generator is set, in either format."""
+    state = capture_rng_state()
+    field = "internal" if section == "python" else "key"
+    words = list(state[section][field])
+    words[7] = word
+    state[section] = dict(state[section], **{field: words})
+    crafted = packed_rng_state(state) if packed else state
+    before = (random.getstate(), torch.get_rng_state(), np.random.get_state()[1].tolist())
+    draws()  # every generator moves on; a refused restore must not set any of them back
+    moved = (random.getstate(), torch.get_rng_state(), np.random.get_state()[1].tolist())
+    with pytest.raises(ValueError, match=re.escape("outside 0..2**32-1")):
+        restore_rng_state(crafted)
+    now = (random.getstate(), torch.get_rng_state(), np.random.get_state()[1].tolist())
+    assert now[0] == moved[0] and torch.equal(now[1], moved[1]) and now[2] == moved[2]
+    assert now[0] != before[0]
+
+
 def test_isolated_cpu_rng_restores_the_callers_streams_even_on_error() -> None:
     before = capture_rng_state()
     expected = draws()

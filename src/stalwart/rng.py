@@ -158,7 +158,11 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         )
 
     py = state["python"]
-    random.setstate((int(py["version"]), _ints(py["internal"], "python"), py["gauss_next"]))
+    words = _ints(py["internal"], "python")
+    numpy_section = state.get("numpy")
+    if numpy_section is not None:
+        _ints(numpy_section["key"], "numpy")  # checked before any generator is set
+    random.setstate((int(py["version"]), words, py["gauss_next"]))
     torch.set_rng_state(state["torch"])
     _restore_numpy(state.get("numpy"))
     _restore_cuda(list(state["cuda"]))
@@ -173,8 +177,15 @@ def _ints(values: Any, section: str) -> tuple[int, ...]:
                 f"{tuple(values.shape)}, not a 1-d int64 one; pass a dict made by "
                 "stalwart.rng.capture_rng_state"
             )
-        return tuple(values.tolist())
-    return tuple(int(x) for x in values)
+        words = tuple(values.tolist())
+    else:
+        words = tuple(int(x) for x in values)
+    if any(not 0 <= w <= _MASK32 for w in words):
+        raise ValueError(
+            f"RNG state's {section} words hold a value outside 0..2**32-1 (a generator word "
+            "is 32 bits); pass a dict made by stalwart.rng.capture_rng_state"
+        )
+    return words
 
 
 def _restore_numpy(section: Mapping[str, Any] | None) -> None:

@@ -343,7 +343,8 @@ def _write_file(
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
         packed = False
-        cached = 0 if pack else -1  # bytes of tensor records written through the page cache
+        may_pack = pack  # until packing was tried
+        cached = 0  # bytes of tensor records written through the page cache
         for item in ordered:
             data = planner.resolve_data(item)
             tensor = None
@@ -363,13 +364,13 @@ def _write_file(
             ):
                 offset = _add_direct_record(out, tensor, buffers)
             else:
-                if tensor is not None and cached >= _PACK_AFTER:
-                    cached = -1  # tried once: the file packs from here, or never
+                if may_pack and tensor is not None and cached >= _PACK_AFTER:
+                    may_pack = False  # tried once: the file packs from here, or never
                     packed = _start_packing(out)
                 pad = -out.size % _RECORD_ALIGN
                 offset = out.size + pad
                 out.add([_ZEROS[:pad], *buffers] if pad else buffers)
-                if tensor is not None and cached >= 0:
+                if may_pack and tensor is not None:
                     cached += tensor.nbytes
             length = out.size - offset
             results.append(
