@@ -93,9 +93,11 @@ def test_ranks_share_the_checking_and_each_file_is_checked_before_use(tmp_path: 
     ckpt, _ = saved(tmp_path / "run")
     manifest = read_manifest(ckpt)
     files, metadata = verified_checkpoint(ckpt, part=(1, 2))
-    data = [e.path for e in manifest.files if e.path != ".metadata"]
+    both = {".metadata", ".metadata.json"}
+    data = [e.path for e in manifest.files if e.path not in both]
     share = set(data[1::2])
-    assert set(files.reads) == share | {".metadata"}
+    # Every rank checks both metadata files (it reads the JSON one).
+    assert set(files.reads) == share | both
     assert metadata.state_dict_metadata
     other = next(e.path for e in manifest.files if e.path not in share)
     assert len(files.held(other).view) == next(e.size for e in manifest.files if e.path == other)

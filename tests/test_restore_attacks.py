@@ -40,8 +40,8 @@ def saved(run: Path, width: int) -> tuple[Path, dict]:
 def test_the_metadata_used_is_the_metadata_checked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``.metadata`` replaced on disk right after its checksum matched: the restore
-    uses the bytes it checked, never the file's new content."""
+    """Both metadata files replaced on disk right after their checksums matched: the
+    restore uses the bytes it checked, never the files' new content."""
     ckpt, _ = saved(tmp_path / "a", 64)
     other, _ = saved(tmp_path / "b", 32)
     original = read_dcp_metadata(ckpt).state_dict_metadata
@@ -50,8 +50,8 @@ def test_the_metadata_used_is_the_metadata_checked(
     def verify_then_swap(self: VerifiedFiles, names: object) -> None:
         names = list(names)  # type: ignore[call-overload]
         verify(self, names)
-        if ".metadata" in names:
-            shutil.copyfile(other / ".metadata", ckpt / ".metadata")
+        for name in {".metadata", ".metadata.json"} & set(names):
+            shutil.copyfile(other / name, ckpt / name)
 
     monkeypatch.setattr(VerifiedFiles, "verify", verify_then_swap)
     files, metadata = verified_checkpoint(ckpt)

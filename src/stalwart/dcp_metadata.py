@@ -48,7 +48,13 @@ from stalwart.errors import (
 )
 from stalwart.manifest import open_checkpoint_file
 
-__all__ = ["metadata_from_bytes", "read_dcp_metadata", "read_metadata_file"]
+__all__ = [
+    "checked_metadata",
+    "data_file_sizes",
+    "metadata_from_bytes",
+    "read_dcp_metadata",
+    "read_metadata_file",
+]
 
 _METADATA_FILE = ".metadata"
 _TAMPERED = "the file is not a genuine DCP metadata file or was tampered with"
@@ -488,7 +494,7 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _file_sizes(directory: str) -> Callable[[str], int]:
+def data_file_sizes(directory: str) -> Callable[[str], int]:
     """Sizes of the data files in ``directory``, read without following links."""
 
     def size_of(name: str) -> int:
@@ -518,7 +524,7 @@ def read_metadata_file(directory: str, name: str) -> Metadata:
     where = os.path.join(directory, name)
     try:
         with open_checkpoint_file(directory, name) as (stream, size):
-            return _unpickle_metadata(stream, size, where, _file_sizes(directory))
+            return _unpickle_metadata(stream, size, where, data_file_sizes(directory))
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -538,6 +544,12 @@ def metadata_from_bytes(
     sizes (raising ``CheckpointCorruptError`` for one it does not know).
     """
     return _unpickle_metadata(io.BytesIO(data), len(data), where, file_size)
+
+
+def checked_metadata(obj: object, where: str, file_size: Callable[[str], int]) -> Metadata:
+    """``obj`` (decoded from ``where`` by other means) held to every check of
+    ``metadata_from_bytes``; ``file_size`` as there (``data_file_sizes``)."""
+    return _check_bounds(_check_structure(obj, where), where, file_size)
 
 
 def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:

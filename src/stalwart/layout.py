@@ -30,6 +30,7 @@ import uuid
 from typing import Literal
 
 __all__ = [
+    "DCP_METADATA_JSON_NAME",
     "DCP_METADATA_NAME",
     "EVENTS_NAME",
     "FINGERPRINT_DIR",
@@ -49,6 +50,8 @@ MANIFEST_NAME = "MANIFEST.json"
 """The commit marker inside a checkpoint directory (or step prefix of a store)."""
 DCP_METADATA_NAME = ".metadata"
 """torch.distributed.checkpoint's index of a checkpoint: a pickle, read only by ``safe_load``."""
+DCP_METADATA_JSON_NAME = ".metadata.json"
+"""The same index as JSON (``stalwart.metadata_json``), which a restore reads instead."""
 EVENTS_NAME = "events.jsonl"
 """The run's event log, one JSON object a line."""
 FINGERPRINT_DIR = "fingerprints"

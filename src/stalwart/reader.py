@@ -42,7 +42,9 @@ from torch.futures import Future
 from stalwart.dcp_metadata import metadata_from_bytes
 from stalwart.errors import CheckpointCorruptError
 from stalwart.framing import UnavailableError, decode_tensor, framed_data
+from stalwart.layout import DCP_METADATA_JSON_NAME, DCP_METADATA_NAME
 from stalwart.manifest import Manifest, open_checkpoint_file
+from stalwart.metadata_json import metadata_from_json
 from stalwart.safe_load import SafeFileSystemReader, read_dcp_metadata
 from stalwart.streamed import Span, StreamedFile, keep_spans, stream_check
 from stalwart.verify import (
@@ -63,7 +65,8 @@ __all__ = [
     "verified_checkpoint",
 ]
 
-_METADATA = ".metadata"
+_METADATA = DCP_METADATA_NAME
+_METADATA_JSON = DCP_METADATA_JSON_NAME
 """DCP's metadata file (the global one; ``dcp_metadata`` reads it)."""
 
 _CHUNK = 8 * 1024 * 1024
@@ -226,11 +229,21 @@ class VerifiedFiles:
             return self._held[name]
 
     def metadata(self) -> Metadata:
-        """The DCP metadata, unpickled by the restricted unpickler from the checked bytes
-        of ``.metadata`` (never read from disk again: another writer's file would
-        be used unchecked); its data bounds are checked against the manifest's sizes."""
+        """The DCP metadata from the checked bytes of ``.metadata.json`` when the manifest
+        lists one of a version this reader knows, else unpickled by the restricted
+        unpickler from those of ``.metadata`` (never read from disk again: another
+        writer's file would be used unchecked); either way held to the same
+        checks, its data bounds against the manifest's sizes."""
+        if _METADATA_JSON in self._entries:
+            where = os.path.join(self.directory, _METADATA_JSON)
+            found = metadata_from_json(self.held(_METADATA_JSON).view, where, self._size_of(where))
+            if found is not None:
+                return found
         where = os.path.join(self.directory, _METADATA)
-        view = self.held(_METADATA).view
+        return metadata_from_bytes(self.held(_METADATA).view, where, self._size_of(where))
+
+    def _size_of(self, where: str) -> Callable[[str], int]:
+        """The manifest's size of a data file the metadata at ``where`` names."""
 
         def size_of(name: str) -> int:
             entry = self._entries.get(name)
@@ -242,7 +255,7 @@ class VerifiedFiles:
                 )
             return entry.size
 
-        return metadata_from_bytes(view, where, size_of)
+        return size_of
 
     def close(self) -> None:
         """Let go of every file's bytes and descriptors (a tensor decoded from a held
@@ -308,10 +321,12 @@ def verified_checkpoint(
     files = VerifiedFiles(path, manifest)
     listed = [entry.path for entry in manifest.files]
     rank, world = part
-    share = [name for name in listed if name != _METADATA][rank::world]
+    share = [name for name in listed if name not in (_METADATA, _METADATA_JSON)][rank::world]
     try:
         if _METADATA in listed:
-            files.verify([_METADATA])  # a few KiB; every rank reads it
+            # A few KiB each; every rank checks both, whichever it reads (a damaged
+            # .metadata is a damaged checkpoint for DCP's own readers).
+            files.verify([name for name in (_METADATA_JSON, _METADATA) if name in listed])
         try:
             metadata = files.metadata() if _METADATA in listed else read_dcp_metadata(path)
         except CheckpointCorruptError:

@@ -16,10 +16,11 @@ What the cache is keyed on, and why that is exact:
   rank's local plan equals the cached one (keys, chunk offsets and sizes,
   dtypes and every other tensor property, the flattening map, the number of
   ranks). Anything else builds the plan anew, as DCP would.
-- ``.metadata``'s bytes are reused only when its content equals the cached
-  one but for the staging directory's name and the save's id, which are
-  replaced in the bytes by strings of the same length (so the pickle's
-  opcodes are the same); anything else is pickled anew.
+- ``.metadata``'s bytes (and those of its JSON twin, ``.metadata.json``) are
+  reused only when its content equals the cached one but for the staging
+  directory's name and the save's id, which are replaced in the bytes by
+  strings of the same length (so the pickle's opcodes are the same, and the
+  JSON's structure); anything else is encoded anew.
 - A non-tensor value's ``torch.save`` bytes are reused only when the value is
   plain data (None, bool, int, float, str, bytes, and lists, tuples and dicts
   of them) whose ``pickle`` is byte for byte the cached one, under the same
@@ -34,9 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import pickle
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +48,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-__all__ = ["CachingSavePlanner", "SavePlanCache"]
+from stalwart import metadata_json
+
+__all__ = ["CachingSavePlanner", "SavePlanCache", "encode_metadata"]
 
 _PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
 _TORCH_SAVE_PROTOCOL = 2
@@ -54,13 +59,14 @@ _TORCH_SAVE_PROTOCOL = 2
 
 @dataclasses.dataclass(slots=True)
 class _Pickled:
-    """``.metadata``'s bytes and what they were pickled from."""
+    """``.metadata``'s bytes, its JSON twin's, and what they were encoded from."""
 
     metadata: Metadata
     storage_data: dict[Any, Any]
     directory: Path
     save_id: str
     data: bytes
+    json_data: bytes | None
 
 
 class SavePlanCache:
@@ -101,8 +107,8 @@ class SavePlanCache:
         with self._lock:
             self._plans = (list(all_plans), list(global_plans), dataclasses.replace(metadata))
 
-    def metadata_bytes(self, metadata: Metadata) -> bytes:
-        """``pickle.dumps(metadata)``, reusing the last save's bytes when only its names differ."""
+    def metadata_files(self, metadata: Metadata) -> tuple[bytes, bytes | None]:
+        """``encode_metadata(metadata)``, reusing the last save's bytes when only its names differ."""
         meta = metadata.storage_meta
         directory, save_id = _names(meta)
         with self._lock:
@@ -111,7 +117,7 @@ class SavePlanCache:
             spliced = _splice(last, metadata, directory, save_id)
             if spliced is not None:
                 return spliced
-        data = pickle.dumps(metadata)
+        data, json_data = encode_metadata(metadata)
         if directory is not None and save_id is not None:
             with self._lock:
                 self._pickled = _Pickled(
@@ -120,8 +126,9 @@ class SavePlanCache:
                     directory=directory,
                     save_id=save_id,
                     data=data,
+                    json_data=json_data,
                 )
-        return data
+        return data, json_data
 
     def saved_value(self, value: Any, settings: tuple[Any, ...] | None) -> io.BytesIO:
         """``torch.save(value)`` into a new buffer, its bytes reused for plain data seen before.
@@ -156,12 +163,20 @@ def _without_storage(metadata: Metadata) -> Metadata:
     return dataclasses.replace(metadata, storage_data=None, storage_meta=None)
 
 
-def _splice(last: _Pickled, metadata: Metadata, directory: Path, save_id: str) -> bytes | None:
-    """The last save's ``.metadata`` bytes with this save's names, or None when more differs.
+def encode_metadata(metadata: Metadata) -> tuple[bytes, bytes | None]:
+    """``.metadata``'s bytes (DCP's pickle) and ``.metadata.json``'s (None: not encodable)."""
+    return pickle.dumps(metadata), metadata_json.encode(metadata)
 
-    The pickle of two objects that differ only in strings of the same length
-    is the same but for those strings' bytes, each written once (a checked
-    condition): replacing them is ``pickle.dumps`` of the new object.
+
+def _splice(
+    last: _Pickled, metadata: Metadata, directory: Path, save_id: str
+) -> tuple[bytes, bytes | None] | None:
+    """The last save's metadata files with this save's names, or None when more differs.
+
+    The pickle (or JSON) of two objects that differ only in strings of the
+    same length is the same but for those strings' encoded bytes, each
+    written once (a checked condition): replacing them is encoding the new
+    object.
     """
     old_name, new_name = last.directory.name, directory.name
     meta = metadata.storage_meta
@@ -177,9 +192,22 @@ def _splice(last: _Pickled, metadata: Metadata, directory: Path, save_id: str) -
         or last.storage_data != metadata.storage_data
     ):
         return None
-    data = last.data
-    for old, new in ((old_name, new_name), (last.save_id, save_id)):
-        old_b, new_b = old.encode(), new.encode()
+    names = ((old_name, new_name), (last.save_id, save_id))
+    data = _replace_once(last.data, names, str.encode)
+    if data is None:
+        return None
+    if last.json_data is None:
+        return data, None
+    json_data = _replace_once(last.json_data, names, lambda s: json.dumps(s)[1:-1].encode())
+    return None if json_data is None else (data, json_data)
+
+
+def _replace_once(
+    data: bytes, names: tuple[tuple[str, str], ...], encode: Callable[[str], bytes]
+) -> bytes | None:
+    """``data`` with each old name's encoding replaced by the new one's (same length, once)."""
+    for old, new in names:
+        old_b, new_b = encode(old), encode(new)
         if len(old_b) != len(new_b) or data.count(old_b) != 1:
             return None
         data = data.replace(old_b, new_b)

@@ -54,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import pickle
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,8 +78,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from stalwart.hashed_file import BOUNCE_BYTES, DIRECT_ALIGN, HashedFile, Task
+from stalwart.layout import DCP_METADATA_JSON_NAME
 from stalwart.manifest import FileEntry
-from stalwart.save_plan import SavePlanCache
+from stalwart.save_plan import SavePlanCache, encode_metadata
 
 __all__ = ["ChecksummingWriter", "RecordTemplates", "record_settings", "without_zip_crc"]
 
@@ -546,25 +546,29 @@ class ChecksummingWriter(FileSystemWriter):
         self._syncs.append(Task(out.sync))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Write ``.metadata`` as DCP's ``FileSystemWriter`` does (coordinator only), hashed."""
+        """Write ``.metadata`` as DCP's ``FileSystemWriter`` does (coordinator only), hashed,
+        and its JSON twin ``.metadata.json`` (``stalwart.metadata_json``)."""
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
-        tmp = Path(self.path) / f"{_METADATA}.tmp"
+        data, json_data = (
+            encode_metadata(metadata) if self.plans is None else self.plans.metadata_files(metadata)
+        )
+        self._write_small(_METADATA, data)
+        if json_data is not None:
+            self._write_small(DCP_METADATA_JSON_NAME, json_data)
+
+    def _write_small(self, name: str, data: bytes) -> None:
+        tmp = Path(self.path) / f"{name}.tmp"
         out = HashedFile(tmp)
         try:
-            data = (
-                pickle.dumps(metadata)
-                if self.plans is None
-                else self.plans.metadata_bytes(metadata)
-            )
             out.add([data])
             out.finish()
-            os.replace(tmp, Path(self.path) / _METADATA)
+            os.replace(tmp, Path(self.path) / name)
         except BaseException:
             out.abandon()
             raise
-        out.path = Path(self.path) / _METADATA
+        out.path = Path(self.path) / name
         self._sync_later(out)
 
     def sync(self) -> None:

@@ -175,7 +175,17 @@ def damage(run: Path, case: dict[str, Any]) -> None:
         (newest / MANIFEST_NAME).write_text(case["text"])
         return
     elif kind == "metadata":
-        _tamper_metadata(newest / ".metadata", case["changes"])
+        # The JSON twin by default: what a restore reads. The pickle only matters
+        # to a restore of a checkpoint without one (an older stalwart's), so
+        # tampering with it drops the twin unless the case says otherwise.
+        target = case.get("file", ".metadata.json")
+        if target == ".metadata.json":
+            _tamper_metadata_json(newest / target, case["changes"])
+        else:
+            _tamper_metadata(newest / target, case["changes"])
+            if case.get("drop_twin", True):
+                (newest / ".metadata.json").unlink()
+                resign(newest, _unlist(".metadata.json"))
     else:
         raise AssertionError(f"unknown damage {kind!r}")
     if case.get("resign"):
@@ -217,6 +227,35 @@ def _tamper_metadata(path: Path, changes: list[tuple[str, int, str, Any]]) -> No
             value = torch.Size(value)
         setattr(target, field, copy.deepcopy(value))
     path.write_bytes(pickle.dumps(metadata))
+
+
+def _tamper_metadata_json(path: Path, changes: list[tuple[str, int, str, Any]]) -> None:
+    """``_tamper_metadata``'s changes made to ``.metadata.json`` (stalwart.metadata_json's
+    layout: a tensor is ``[dtype, layout, requires_grad, memory_format, pin_memory,
+    size, chunks]``, a storage row ``[fqn, offset, index, file, byte offset, length,
+    transforms]``)."""
+    doc = json.loads(path.read_text())
+    tensors = [e for e in doc["state_dict_metadata"].values() if e is not None]
+    chunks = [c for e in tensors for c in e[6]]
+    storage = doc["storage_data"]
+    for what, index, field, value in changes:
+        if what == "planner":
+            doc["planner_data"] = value
+        elif what == "tensor":
+            assert field == "size", field
+            tensors[index % len(tensors)][5] = value
+        elif what == "chunk":
+            chunks[index % len(chunks)][{"offsets": 0, "sizes": 1}[field]] = value
+        else:
+            storage[index % len(storage)][{"offset": 4, "length": 5}[field]] = value
+    path.write_text(json.dumps(doc))
+
+
+def _unlist(name: str) -> Any:
+    def edit(body: dict[str, Any]) -> None:
+        body["files"] = [e for e in body["files"] if e["path"] != name]
+
+    return edit
 
 
 # ------------------------------------------------------------------ the worker

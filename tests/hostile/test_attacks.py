@@ -21,7 +21,16 @@ from stalwart.events import read_events
 from stalwart.storage.durable import DurableTier
 
 from ..conftest import cli, make_parts
-from .harness import NEWEST, Pristine, Worker, damage, fresh_copy, judge_restore, sign
+from .harness import (
+    NEWEST,
+    Pristine,
+    Worker,
+    damage,
+    fresh_copy,
+    judge_restore,
+    resign,
+    sign,
+)
 
 SIGNED_METADATA = [
     ("negative size", [("tensor", 0, "size", [-3, 4])]),
@@ -85,16 +94,50 @@ def _verify_fails_naming(worker: Worker, checkpoint: Path, name: str) -> str:
     return answer["out"] + answer["err"]
 
 
+@pytest.mark.parametrize("target", [".metadata.json", ".metadata"])
 @pytest.mark.parametrize(("name", "changes"), SIGNED_METADATA, ids=[n for n, _ in SIGNED_METADATA])
 def test_signed_metadata_with_impossible_numbers_falls_back(
-    worker: Worker, pristine: Pristine, tmp_path: Path, name: str, changes: list
+    worker: Worker, pristine: Pristine, tmp_path: Path, name: str, changes: list, target: str
 ) -> None:
+    """The JSON twin a restore reads, or the pickle of a checkpoint without a twin."""
     run = fresh_copy(pristine, tmp_path)
-    case = {"kind": "metadata", "changes": changes, "resign": True}
+    case = {"kind": "metadata", "changes": changes, "resign": True, "file": target}
     damage(run, case)
-    _verify_fails_naming(worker, run / NEWEST, ".metadata")
+    assert (run / NEWEST / ".metadata.json").exists() == (target == ".metadata.json")
+    _verify_fails_naming(worker, run / NEWEST, target)
     _restores_previous(worker, pristine, run, case)
-    assert _skip_event(run)["file"] == str(run / NEWEST / ".metadata")
+    assert _skip_event(run)["file"] == str(run / NEWEST / target)
+
+
+def test_a_signed_pickle_beside_an_honest_twin_is_never_read_but_verify_reports_it(
+    worker: Worker, pristine: Pristine, tmp_path: Path
+) -> None:
+    """A restore reads only the JSON twin, so a crafted ``.metadata`` next to it costs
+    nothing; ``stalwart verify`` still checks both and names the pickle."""
+    run = fresh_copy(pristine, tmp_path)
+    changes = SIGNED_METADATA[1][1]  # 2**40 elements
+    case = {"kind": "metadata", "changes": changes, "resign": True, "file": ".metadata"}
+    damage(run, {**case, "drop_twin": False})
+    out = _verify_fails_naming(worker, run / NEWEST, ".metadata")
+    assert ".metadata.json" not in out, out
+    answer = worker.run({"op": "restore", "run": str(run)})
+    assert judge_restore(pristine, case, answer) == "step 3", answer
+
+
+def test_twins_that_disagree_fail_verify(
+    worker: Worker, pristine: Pristine, tmp_path: Path
+) -> None:
+    """Both metadata files well formed and signed but not the same metadata: one of
+    them lies to its readers, and ``stalwart verify`` says which one it checked last."""
+    run = fresh_copy(pristine, tmp_path)
+    twin = run / NEWEST / ".metadata.json"
+    doc = json.loads(twin.read_text())
+    first = next(k for k, v in doc["state_dict_metadata"].items() if v is not None)
+    doc["state_dict_metadata"][first][2] = True  # requires_grad: harmless, but not the pickle's
+    twin.write_text(json.dumps(doc))
+    resign(run / NEWEST)
+    out = _verify_fails_naming(worker, run / NEWEST, ".metadata.json")
+    assert "does not hold the same metadata" in out, out
 
 
 @pytest.mark.parametrize(("name", "case"), MANIFESTS, ids=[n for n, _ in MANIFESTS])

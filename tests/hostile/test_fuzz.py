@@ -8,8 +8,9 @@ hypothesis and run in the memory- and time-limited worker:
   (to ``/dev/zero``, to itself, to another step, out of the run) and FIFOs in
   place of files; each re-signed or not;
 - ``manifest``: any field of MANIFEST.json replaced by hostile JSON, re-signed or not;
-- ``metadata``: DCP metadata rebuilt from allowed classes with sizes, chunks,
-  offsets, lengths and planner_data replaced, pickled again and re-signed.
+- ``metadata``: DCP metadata with sizes, chunks, offsets, lengths and
+  planner_data replaced, in the JSON twin a restore reads or in the pickle
+  (rebuilt from allowed classes; the twin dropped or kept), re-signed.
 
 ``STALWART_FUZZ_EXAMPLES`` sets the examples per class (``make fuzz`` runs many); the
 summary is printed at the end of the session (``-s``) and written to the file
@@ -35,7 +36,7 @@ from .harness import (
     judge_restore,
 )
 
-FILES = ["MANIFEST.json", ".metadata", "__0_0.distcp"]
+FILES = ["MANIFEST.json", ".metadata", ".metadata.json", "__0_0.distcp"]
 """The files of every step of the pristine run (checked by ``test_the_fuzzed_files_are_all_there``)."""
 
 SETTINGS = settings(
@@ -48,7 +49,7 @@ _positions = st.lists(st.tuples(st.floats(0, 1), st.integers(0, 7)), min_size=1,
 
 
 def _file_cases() -> st.SearchStrategy[dict[str, Any]]:
-    data_files = st.sampled_from([".metadata", "__0_0.distcp"])
+    data_files = st.sampled_from([".metadata", ".metadata.json", "__0_0.distcp"])
     signed = st.booleans()
     return st.one_of(
         st.fixed_dictionaries(
@@ -145,6 +146,8 @@ def _metadata_cases() -> st.SearchStrategy[dict[str, Any]]:
             "kind": st.just("metadata"),
             "changes": st.lists(change, min_size=1, max_size=3),
             "resign": st.just(True),
+            "file": st.sampled_from([".metadata.json", ".metadata"]),
+            "drop_twin": st.booleans(),
         }
     )
 

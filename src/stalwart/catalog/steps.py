@@ -14,6 +14,7 @@ from typing import Literal
 
 from stalwart.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsupportedFormatError
 from stalwart.layout import (
+    DCP_METADATA_JSON_NAME,
     DCP_METADATA_NAME,
     EVENTS_NAME,
     LOCK_NAME,
@@ -22,6 +23,7 @@ from stalwart.layout import (
     step_dir_name,
 )
 from stalwart.manifest import Manifest
+from stalwart.metadata_json import read_metadata_json
 from stalwart.pipeline import file_problems, read_manifest, verify_checkpoint
 from stalwart.safe_load import read_dcp_metadata
 from stalwart.storage.base import StepEntry
@@ -110,7 +112,12 @@ def strip_source(message: str, *sources: str | Path) -> str:
 
 
 def _reason(exc: Exception, checkpoint: Path) -> str:
-    return strip_source(str(exc), checkpoint / MANIFEST_NAME, checkpoint / DCP_METADATA_NAME)
+    return strip_source(
+        str(exc),
+        checkpoint / MANIFEST_NAME,
+        checkpoint / DCP_METADATA_NAME,
+        checkpoint / DCP_METADATA_JSON_NAME,
+    )
 
 
 def load_manifest(checkpoint: Path) -> Manifest | Problem:
@@ -143,15 +150,26 @@ def check_files(
 
 
 def check_metadata(checkpoint: Path) -> Problem | None:
-    """Read DCP's ``.metadata`` with the restricted unpickler; a ``Problem`` when it would not load."""
+    """Read DCP's ``.metadata`` with the restricted unpickler, and ``.metadata.json`` where
+    there is one; a ``Problem`` when either would not load or they disagree (a
+    restore reads the JSON, DCP's own readers the pickle)."""
+    name = DCP_METADATA_NAME
     try:
-        read_dcp_metadata(checkpoint)
+        pickled = read_dcp_metadata(checkpoint)
+        name = DCP_METADATA_JSON_NAME
+        twin = read_metadata_json(checkpoint)
     except CheckpointNotFoundError:
-        return Problem(file=DCP_METADATA_NAME, reason="missing: not a DCP checkpoint")
+        return Problem(file=name, reason="missing: not a DCP checkpoint")
     except CheckpointCorruptError as exc:
-        return Problem(file=DCP_METADATA_NAME, reason=_reason(exc, checkpoint))
+        return Problem(file=name, reason=_reason(exc, checkpoint))
     except OSError as exc:
-        return Problem(file=DCP_METADATA_NAME, reason=f"cannot read ({exc.strerror or exc})")
+        return Problem(file=name, reason=f"cannot read ({exc.strerror or exc})")
+    if twin is not None and twin != pickled:
+        return Problem(
+            file=name,
+            reason=f"does not hold the same metadata as {DCP_METADATA_NAME}; one of them was "
+            "tampered with or written by another tool",
+        )
     return None
 
 
