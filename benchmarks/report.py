@@ -512,7 +512,9 @@ def _size_section(entry: dict[str, Any], meta: dict[str, Any], add: Any) -> None
             note = (
                 f"its check pass alone (read + xxh3 of every file, as `stalwart verify`) "
                 f"{_ms(b['verify_cold_s'])} cold, {_ms(b['verify_warm_s'])} warm; "
-                f"one DCP metadata read (best of 3) {_ms(b['read_metadata_s'])}"
+                f"its metadata read from .metadata.json (best of 3) "
+                f"{_ms(b.get('read_json_s'))}, against "
+                f"{_ms(b['read_metadata_s'])} from the .metadata pickle"
             )
         elif name == "dcp_save":
             note = "runs pickle.load on .metadata: a crafted checkpoint runs code"
