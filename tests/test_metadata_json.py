@@ -151,25 +151,33 @@ def test_the_second_save_s_spliced_twin_is_what_encoding_it_gives(tmp_path: Path
     assert metadata_json.encode(pickled(older)) == (older / NAME).read_bytes()
 
 
-def test_the_cache_splices_json_only_where_a_name_is_written_once() -> None:
+def _named(step: int, save_id: str) -> Metadata:
+    meta = StorageMeta(
+        checkpoint_id=pathlib.Path(f"/runs/a/.step_{step}.tmp-cd"), save_id=save_id, modules=[]
+    )
+    return handmade(storage_meta=meta)
+
+
+def test_the_cache_splices_json_only_where_a_name_is_written_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every answer equals a fresh encoding. The first save's id "__" also occurs in the
+    data files' names, so the second save cannot replace it in place and is encoded
+    anew; the third save's names replace the second's (no encoding)."""
+    encode = metadata_json.encode
+    encoded: list[Metadata] = []
+
+    def counting(metadata: Metadata) -> bytes | None:
+        encoded.append(metadata)
+        return encode(metadata)
+
+    monkeypatch.setattr(metadata_json, "encode", counting)
     cache = SavePlanCache()
-    first = handmade()
-    assert cache.metadata_files(first) == (pickle.dumps(first), metadata_json.encode(first))
-    meta = first.storage_meta
-    assert meta is not None
-    second = handmade(
-        storage_meta=StorageMeta(
-            checkpoint_id=pathlib.Path("/runs/a/.step_2.tmp-cd"), save_id="ie", modules=["m"]
-        )
-    )
-    assert cache.metadata_files(second) == (pickle.dumps(second), metadata_json.encode(second))
-    # A name that also occurs elsewhere in the JSON is not spliced: encoded anew.
-    third = handmade(
-        storage_meta=StorageMeta(
-            checkpoint_id=pathlib.Path("/runs/a/.step_3.tmp-ef"), save_id="w", modules=["m"]
-        )
-    )
-    assert cache.metadata_files(third) == (pickle.dumps(third), metadata_json.encode(third))
+    for step, save_id, fresh in ((1, "__", True), (2, "Q8", True), (3, "Q9", False)):
+        metadata = _named(step, save_id)
+        encoded.clear()
+        assert cache.metadata_files(metadata) == (pickle.dumps(metadata), encode(metadata))
+        assert (encoded == [metadata]) == fresh, (save_id, encoded)
 
 
 @pytest.mark.parametrize(
@@ -179,8 +187,14 @@ def test_the_cache_splices_json_only_where_a_name_is_written_once() -> None:
         {"storage_meta": StorageMeta(checkpoint_id=pathlib.PureWindowsPath("C:/r"))},
         {"version": 1},
         {"state_dict_metadata": {"w": "not an entry"}},
+        {"state_dict_metadata": {"w": tensor([2], [([0], [2])])}, "storage_data": None},
+        {
+            "state_dict_metadata": {
+                "w": TensorStorageMetadata(TensorProperties(), torch.Size([2]), None)
+            }
+        },  # type: ignore[arg-type]
     ],
-    ids=["list path", "foreign path", "int version", "odd entry"],
+    ids=["list path", "foreign path", "int version", "odd entry", "no storage", "chunks None"],
 )
 def test_metadata_json_cannot_hold_exactly_gets_no_twin(overrides: dict[str, Any]) -> None:
     assert metadata_json.encode(handmade(**overrides)) is None
@@ -228,6 +242,21 @@ def test_without_a_twin_it_can_read_the_restore_reads_the_pickle(
     files); a twin of a later format version: left for the pickle, not refused."""
     checkpoint, want = saved(tmp_path / "run")
     change(checkpoint)
+    parts = make_parts(hidden=16)
+    with stalwart.CheckpointManager(tmp_path / "run") as ckpt:
+        assert ckpt.restore(parts.state) == 2
+    assert_same(want, snapshot(parts))
+
+
+def test_a_manifest_that_lists_only_the_twin_restores_from_it(tmp_path: Path) -> None:
+    """The twin is enough for stalwart (a copy that left out DCP's pickle): it is
+    checked and read; nothing is read from a file the manifest does not list."""
+    checkpoint, want = saved(tmp_path / "run")
+    (checkpoint / ".metadata").unlink()
+    resign(
+        checkpoint,
+        lambda body: body.update(files=[e for e in body["files"] if e["path"] != ".metadata"]),
+    )
     parts = make_parts(hidden=16)
     with stalwart.CheckpointManager(tmp_path / "run") as ckpt:
         assert ckpt.restore(parts.state) == 2

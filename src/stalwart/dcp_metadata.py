@@ -49,6 +49,8 @@ from stalwart.errors import (
 from stalwart.manifest import open_checkpoint_file
 
 __all__ = [
+    "TORCH_DTYPES",
+    "TORCH_LAYOUTS",
     "checked_metadata",
     "data_file_sizes",
     "metadata_from_bytes",
@@ -77,18 +79,23 @@ _BUILDABLE: frozenset[type] = frozenset(
 )
 
 
-_LAYOUTS: dict[str, torch.layout] = {
+TORCH_LAYOUTS: dict[str, torch.layout] = {
     str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)
 }
+"""Every ``torch.layout`` by its ``str`` (``"torch.strided"``): what metadata may name."""
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)
+}
+"""Every ``torch.dtype`` by its attribute name in torch (aliases too: ``float``, ``float32``)."""
 
 
 def _layout_by_name(name: str) -> torch.layout:
     # Stands in for torch.serialization._get_layout, which is what
     # torch.layout pickles as: same answer, but its cache is a function attribute
     # and ours is out of a pickle's reach, and nothing but a layout comes back.
-    if not isinstance(name, str) or name not in _LAYOUTS:
+    if not isinstance(name, str) or name not in TORCH_LAYOUTS:
         raise pickle.UnpicklingError(f"unknown torch.layout {name!r}")
-    return _LAYOUTS[name]
+    return TORCH_LAYOUTS[name]
 
 
 def _mem_format_encoding(value: int) -> _MEM_FORMAT_ENCODING:
@@ -145,9 +152,8 @@ def _allowed_globals() -> dict[tuple[str, str], object]:
     }
     # A dtype pickles as the name of its torch attribute (torch.float32 ->
     # "torch", "float32"). Taking them from torch keeps new dtypes loadable.
-    for name, value in vars(torch).items():
-        if isinstance(value, torch.dtype):
-            allowed["torch", name] = value
+    for name, value in TORCH_DTYPES.items():
+        allowed["torch", name] = value
     allowed.update(_path_classes())
     return allowed
 

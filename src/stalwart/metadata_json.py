@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from stalwart.dcp_metadata import checked_metadata, data_file_sizes
+from stalwart.dcp_metadata import TORCH_DTYPES, TORCH_LAYOUTS, checked_metadata, data_file_sizes
 from stalwart.errors import CheckpointCorruptError
 from stalwart.layout import DCP_METADATA_JSON_NAME
 from stalwart.manifest import open_checkpoint_file
@@ -67,14 +67,8 @@ __all__ = ["FORMAT", "VERSION", "decode", "encode", "metadata_from_json", "read_
 FORMAT = "stalwart.dcp-metadata"
 VERSION = 1
 
-_DTYPES: dict[str, torch.dtype] = {
-    name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)
-}
 _DTYPE_NAMES: dict[torch.dtype, str] = {
-    value: str(value).removeprefix("torch.") for value in _DTYPES.values()
-}
-_LAYOUTS: dict[str, torch.layout] = {
-    str(value): value for value in vars(torch).values() if isinstance(value, torch.layout)
+    value: str(value).removeprefix("torch.") for value in TORCH_DTYPES.values()
 }
 _MEMORY_FORMATS: dict[str, torch.memory_format] = {
     "contiguous_format": torch.contiguous_format,
@@ -115,14 +109,20 @@ def encode(metadata: Metadata) -> bytes | None:
             },
             "planner_data": _encode_planner_data(metadata.planner_data),
             "storage_data": [
-                _encode_storage(index, info)
-                for index, info in (metadata.storage_data or {}).items()
+                _encode_storage(index, info) for index, info in _dict(metadata.storage_data).items()
             ],
             "storage_meta": _encode_storage_meta(metadata.storage_meta),
         }
-    except _UnencodableError:
+    except (_UnencodableError, AttributeError, TypeError):
+        # The twin is an optimisation: metadata it cannot hold never fails a save.
         return None
     return json.dumps(document, separators=(",", ":")).encode()
+
+
+def _dict(value: object) -> dict[Any, Any]:
+    if type(value) is not dict:
+        raise _UnencodableError
+    return value
 
 
 def _optional_str(value: object) -> str | None:
@@ -145,7 +145,7 @@ def _encode_entry(entry: object) -> list[Any] | None:
     p = entry.properties
     if (
         p.dtype not in _DTYPE_NAMES
-        or str(p.layout) not in _LAYOUTS
+        or str(p.layout) not in TORCH_LAYOUTS
         or p.memory_format not in _MEMORY_FORMAT_NAMES
         or type(p.requires_grad) is not bool
         or type(p.pin_memory) is not bool
@@ -260,7 +260,7 @@ class _MalformedError(Exception):
 
 def decode(data: bytes | memoryview, where: str) -> Metadata | None:
     """The ``Metadata`` in ``data``, not yet checked for consistency or bounds
-    (``dcp_metadata.metadata_from_json`` does that); None for a later version of
+    (``metadata_from_json`` does that); None for a later version of
     the format. Raises ``CheckpointCorruptError`` for anything else malformed."""
     try:
         document = json.loads(bytes(data))
@@ -329,8 +329,8 @@ def _decode_entries(entries: object) -> dict[str, TensorStorageMetadata | BytesS
             chunk_list.append(ChunkStorageMetadata(offsets=_size(chunk[0]), sizes=_size(chunk[1])))
         out[fqn] = TensorStorageMetadata(
             properties=TensorProperties(
-                dtype=_DTYPES[_str(dtype)],
-                layout=_LAYOUTS[_str(layout)],
+                dtype=TORCH_DTYPES[_str(dtype)],
+                layout=TORCH_LAYOUTS[_str(layout)],
                 requires_grad=_bool(requires_grad),
                 memory_format=_MEMORY_FORMATS[_str(memory_format)],
                 pin_memory=_bool(pin_memory),

@@ -323,12 +323,12 @@ def verified_checkpoint(
     rank, world = part
     share = [name for name in listed if name not in (_METADATA, _METADATA_JSON)][rank::world]
     try:
-        if _METADATA in listed:
-            # A few KiB each; every rank checks both, whichever it reads (a damaged
-            # .metadata is a damaged checkpoint for DCP's own readers).
-            files.verify([name for name in (_METADATA_JSON, _METADATA) if name in listed])
+        # A few KiB each; every rank checks both, whichever it reads (a damaged
+        # .metadata is a damaged checkpoint for DCP's own readers).
+        indexes = [name for name in (_METADATA_JSON, _METADATA) if name in listed]
+        files.verify(indexes)
         try:
-            metadata = files.metadata() if _METADATA in listed else read_dcp_metadata(path)
+            metadata = files.metadata() if indexes else read_dcp_metadata(path)
         except CheckpointCorruptError:
             # A damaged data file is the reason given, before anything the metadata said.
             files.stream(share)
