@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import uuid
@@ -14,6 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.utils import find_state_dict_object
 
 import stalwart
 from stalwart.save_plan import CachingSavePlanner, SavePlanCache
@@ -216,6 +219,103 @@ def test_the_global_plan_is_rebuilt_for_another_number_of_ranks() -> None:
     assert cache.global_plan([plan]) is not None
     assert cache.global_plan([plan, plan]) is None
     assert cache.global_plan([]) is None
+
+
+def local_plan(
+    planner: DefaultSavePlanner, sd: dict[str, object], *, coordinator: bool = True
+) -> SavePlan:
+    planner.set_up_planner(sd, None, coordinator)
+    return planner.create_local_plan()
+
+
+def to_value(sd: dict[str, object]) -> None:
+    sd["ids"] = [1, 2, 3]  # a tensor's key now holds plain data
+
+
+def to_tensor(sd: dict[str, object]) -> None:
+    sd["lr"] = torch.tensor(0.1)  # plain data's key now holds a tensor
+
+
+def reordered(sd: dict[str, object]) -> None:
+    items = list(sd.items())
+    sd.clear()
+    sd.update(reversed(items))
+
+
+def nested(sd: dict[str, object]) -> None:
+    sd["w"] = {"inner": sd.pop("w")}  # another key after flattening
+
+
+def transposed(sd: dict[str, object]) -> None:
+    sd["w"] = sd["w"].t().contiguous().t()  # the same shape, another stride and new memory
+
+
+LOCAL_CHANGES: dict[str, Callable[[dict[str, object]], None]] = {
+    **CHANGES,
+    "tensor becomes plain data": to_value,
+    "plain data becomes a tensor": to_tensor,
+    "keys reordered": reordered,
+    "nested under a new key": nested,
+    "transposed view": transposed,
+}
+
+
+@pytest.mark.parametrize("change", list(LOCAL_CHANGES))
+def test_the_local_plan_is_dcps_own_after_any_change(change: str) -> None:
+    """With a cache primed on ``base()``, a changed state gets exactly DCP's fresh local plan."""
+    cache = SavePlanCache()
+    primed = local_plan(CachingSavePlanner(cache, settings=None), base())
+    sd = base()
+    LOCAL_CHANGES[change](sd)
+    mine = local_plan(CachingSavePlanner(cache, settings=None), sd)
+    assert mine == local_plan(DefaultSavePlanner(), sd)
+    if change == "transposed view":  # nothing a write item records changed: reused
+        assert all(a is b for a, b in zip(mine.items, primed.items, strict=True))
+    else:
+        assert mine.items != primed.items
+
+
+def test_an_unchanged_state_reuses_the_local_items_and_the_rank_kind_is_part_of_the_key() -> None:
+    cache = SavePlanCache()
+    first = local_plan(CachingSavePlanner(cache, settings=None), base())
+    again = local_plan(CachingSavePlanner(cache, settings=None), base())
+    assert again == first and all(a is b for a, b in zip(again.items, first.items, strict=True))
+    other = local_plan(CachingSavePlanner(cache, settings=None), base(), coordinator=False)
+    assert other == local_plan(DefaultSavePlanner(), base(), coordinator=False)
+    assert not any(a is b for a, b in zip(other.items, first.items, strict=True))
+
+
+class Marked(torch.Tensor):
+    """A tensor subclass: DCP may plan it its own way (as DTensor does), so it is never cached."""
+
+
+def test_a_tensor_subclass_is_planned_by_dcp_every_time() -> None:
+    cache = SavePlanCache()
+    sd = base()
+    sd["w"] = sd["w"].as_subclass(Marked)
+    first = local_plan(CachingSavePlanner(cache, settings=None), sd)
+    again = local_plan(CachingSavePlanner(cache, settings=None), sd)
+    assert again == first == local_plan(DefaultSavePlanner(), sd)
+    assert not any(a is b for a, b in zip(again.items, first.items, strict=True))
+
+
+def test_the_planner_sees_dcps_flattened_state_and_finds_every_item_as_dcp_does() -> None:
+    sd = base()
+    sd["opt"] = {"state": {0: {"m": torch.ones(3)}}, "groups": [{"lr": 0.1}]}
+    sd["sub"] = torch.zeros(2, 2).as_subclass(Marked)
+    mine, ref = CachingSavePlanner(SavePlanCache(), settings=None), DefaultSavePlanner()
+    plan = local_plan(mine, sd)
+    local_plan(ref, sd)
+    assert list(mine.state_dict) == list(ref.state_dict) and mine.mappings == ref.mappings
+    for item in plan.items:
+        assert mine.lookup_object(item.index) is find_state_dict_object(ref.state_dict, item.index)
+    w = next(i for i in plan.items if i.index.fqn == "w")
+    with pytest.raises(ValueError, match="can't find by offset"):
+        mine.lookup_object(dataclasses.replace(w.index, offset=torch.Size([1, 0])))
+    with pytest.raises(ValueError, match="can't find by offset"):
+        mine.lookup_object(dataclasses.replace(w.index, offset=torch.Size([0])))
+    with pytest.raises(ValueError, match="Could not find FQN"):
+        mine.lookup_object(dataclasses.replace(w.index, fqn="missing"))
 
 
 @pytest.mark.parametrize(

@@ -2,14 +2,22 @@
 
 A DCP save spends a fixed time per save, whatever its size, on work whose
 result depends only on the *layout* of the state (its keys, shapes, dtypes,
-sharding): the global plan and its ``Metadata``, the pickle of ``.metadata``,
-and the ``torch.save`` of every small non-tensor value. For a 192-tensor AdamW
+sharding): the local and global plans and the ``Metadata``, the pickle of
+``.metadata``, and the ``torch.save`` of every small non-tensor value. For a 192-tensor AdamW
 state that was more than a third of a 64 MiB save's CPU time. ``SavePlanCache``
 keeps these results from one save to the next; ``CachingSavePlanner`` is the
 DCP planner that uses it.
 
 What the cache is keyed on, and why that is exact:
 
+- A rank's local plan (one ``WriteItem`` per value) is DCP's
+  ``create_local_plan`` of the flattened state dict, a function of each
+  value's key and, for a plain ``torch.Tensor``, of exactly the properties
+  its item records (dtype, shape, layout, requires_grad, pinned memory).
+  The last plan's items are reused when every key and those properties are
+  the same, in the same order, and the rank is the same kind (coordinator or
+  not); a tensor subclass (DTensor, ShardedTensor) or a value that plans its
+  own items (``__create_write_items__``) makes DCP plan it anew.
 - The global plan and ``Metadata`` are a pure function of every rank's local
   plan (DCP's ``create_global_plan``); the local plans are still built on
   every save, and the cached result is reused only when the list of every
@@ -44,8 +52,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from stalwart import metadata_json
@@ -84,10 +93,27 @@ class SavePlanCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._plans: tuple[list[SavePlan], list[SavePlan], Metadata] | None = None
+        self._local: tuple[list[Any], list[WriteItem]] | None = None
         self._pickled: _Pickled | None = None
         self._values: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
         self.hits = 0
         self.misses = 0
+
+    def local_items(self, keys: list[Any] | None) -> list[WriteItem] | None:
+        """The last local plan's items if it was planned for these ``_item_keys``."""
+        if keys is None:
+            return None
+        with self._lock:
+            cached = self._local
+        if cached is None or cached[0] != keys:
+            return None
+        return list(cached[1])
+
+    def keep_local_items(self, keys: list[Any] | None, items: list[WriteItem]) -> None:
+        """Remember the items DCP planned for ``keys`` (None: not cacheable)."""
+        if keys is not None:
+            with self._lock:
+                self._local = (keys, list(items))
 
     def global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata] | None:
         """The cached global plan and metadata if ``all_plans`` equals the cached local plans."""
@@ -244,6 +270,27 @@ def _is_plain(value: Any, *, depth: int) -> bool:
     return False
 
 
+def _item_keys(state_dict: dict[str, Any], is_coordinator: bool) -> list[Any] | None:
+    """What DCP's local plan of a flattened ``state_dict`` depends on; None: not cacheable."""
+    keys: list[Any] = [is_coordinator]
+    for fqn, obj in state_dict.items():
+        if type(obj) is torch.Tensor:
+            # Exactly what _create_write_item_for_tensor reads (TensorProperties.create_from_tensor).
+            keys.append((fqn, obj.dtype, obj.shape, obj.layout, obj.requires_grad, obj.is_pinned()))
+        elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
+            return None  # DTensor, ShardedTensor and the like: planned by DCP every time
+        else:
+            keys.append(fqn)  # a BYTE_IO item: its key only
+    return keys
+
+
+def _plain_tensor_at(obj: Any, offset: Any) -> bool:
+    """``find_tensor_shard``'s answer is ``obj`` itself: a plain tensor looked up at its origin."""
+    return type(obj) is torch.Tensor and (
+        offset is None or (len(offset) == obj.dim() and not any(offset))
+    )
+
+
 class CachingSavePlanner(DefaultSavePlanner):
     """DCP's ``DefaultSavePlanner``, reusing ``cache``'s results where the layout is unchanged.
 
@@ -255,6 +302,42 @@ class CachingSavePlanner(DefaultSavePlanner):
         super().__init__()
         self._cache = cache
         self._settings = settings
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        # DCP walks the flattened state once more to flatten nested ShardedTensors;
+        # only a tensor subclass can be one, so a state without any skips that walk.
+        sharded = self.flatten_sharded_tensors
+        self.flatten_sharded_tensors = False
+        try:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        finally:
+            self.flatten_sharded_tensors = sharded
+        if sharded and any(
+            isinstance(v, torch.Tensor) and type(v) is not torch.Tensor
+            for v in self.state_dict.values()
+        ):
+            self.state_dict = _flatten_sharded_tensors(self.state_dict)
+
+    def create_local_plan(self) -> SavePlan:
+        keys = _item_keys(self.state_dict, self.is_coordinator)
+        items = self._cache.local_items(keys)
+        if items is None:
+            plan = super().create_local_plan()
+            self._cache.keep_local_items(keys, plan.items)
+            return plan
+        self.plan = SavePlan(items, planner_data=self.mappings if self.flatten_state_dict else None)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict.get(index.fqn)
+        if _plain_tensor_at(obj, index.offset):
+            return obj
+        return super().lookup_object(index)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         cached = self._cache.global_plan(all_plans)

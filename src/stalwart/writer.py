@@ -256,7 +256,7 @@ def _layout(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     """The key of a tensor whose record a template can build, else None."""
     if (
         type(tensor) is not torch.Tensor
-        or tensor.device.type != "cpu"
+        or not tensor.is_cpu
         or tensor.layout != torch.strided
         or tensor.is_quantized
         or tensor.is_conj()
@@ -353,7 +353,9 @@ def _write_file(
                 buffers: list[Any] = [data.getbuffer()]
             else:
                 assert isinstance(data, torch.Tensor), "a tensor item resolves to a tensor"
-                tensor = data.detach().cpu()
+                tensor = data.detach() if data.requires_grad else data
+                if not tensor.is_cpu:
+                    tensor = tensor.cpu()
                 if tensor.untyped_storage().nbytes() != tensor.nbytes:
                     tensor = tensor.clone()  # a view: write only its own bytes, as DCP does
                 buffers = templates.record(tensor, settings)
