@@ -28,6 +28,7 @@ from typing import Any
 import xxhash
 
 from stalwart.manifest import FileEntry
+from stalwart.workers import Workers
 
 __all__ = [
     "BATCH_BYTES",
@@ -78,38 +79,25 @@ def _start_write_back(fd: int, offset: int, length: int) -> None:
 
 
 class Task:
-    """``fn(*args)`` in a thread of its own; ``result`` waits and re-raises its exception.
+    """``fn(*args)`` in a writer thread; ``result`` waits and re-raises its exception.
 
-    Plain threads, not an executor: a save running while the interpreter exits
-    (a script that never closed its manager) may no longer submit to an
-    executor, but it may still start a thread; where even that is refused,
-    the task runs inline.
+    The threads are kept between saves (``stalwart.workers``: a thread's start
+    and join cost about a millisecond each here, and a save runs one task per
+    file it writes). No task waits for another one. While the interpreter
+    exits (a script that never closed its manager), when executors take no
+    more work, the task gets a thread of its own, or runs inline where even
+    that is refused.
     """
 
     def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._error: BaseException | None = None
-        self._value: Any = None
-        self._thread: threading.Thread | None = threading.Thread(
-            target=self._run, args=(fn, args), name="stalwart-writer", daemon=False
-        )
-        try:
-            self._thread.start()
-        except RuntimeError:  # no new thread at this point of the interpreter's exit
-            self._thread = None
-            self._run(fn, args)
-
-    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        try:
-            self._value = fn(*args)
-        except BaseException as exc:  # handed to whoever waits, in their thread
-            self._error = exc
+        self._future = _WRITERS.submit(fn, *args)
 
     def result(self) -> Any:
-        if self._thread is not None:
-            self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
+        return self._future.result()
+
+
+_WRITERS = Workers("stalwart-writer", 8)
+"""Writer threads of every save of the process (one per file written and its fsync)."""
 
 
 BOUNCE_BYTES = 8 * 2**20

@@ -55,6 +55,7 @@ from stalwart.verify import (
     read_manifest,
     size_problem,
 )
+from stalwart.workers import Workers
 
 __all__ = [
     "UnavailableError",
@@ -65,6 +66,8 @@ __all__ = [
     "verified_checkpoint",
 ]
 
+_CHECKERS = Workers("stalwart-check", VERIFY_THREADS)
+"""Files of one checkpoint checked at the same time by a restore (``VerifiedFiles``)."""
 _METADATA = DCP_METADATA_NAME
 _METADATA_JSON = DCP_METADATA_JSON_NAME
 """DCP's metadata file (the global one; ``dcp_metadata`` reads it)."""
@@ -189,25 +192,26 @@ class VerifiedFiles:
     def _check(self, todo: list[str], check: Callable[[str], Any], into: dict[str, Any]) -> None:
         if not todo:
             return
-        workers = min(len(todo), VERIFY_THREADS)
-        with concurrent.futures.ThreadPoolExecutor(workers, "stalwart-read") as pool:
-            pending = [pool.submit(check, name) for name in todo]
-            try:
-                for name, future in zip(todo, pending, strict=True):
+        pending = [_CHECKERS.submit(check, name) for name in todo]
+        try:
+            for name, future in zip(todo, pending, strict=True):
+                result = future.result()
+                if isinstance(result, FileProblem):
+                    raise result.error(self.directory)
+                with self._lock:
+                    into[name] = result
+        finally:
+            # Files not started yet are not read at all (as in file_problems); the
+            # rest are waited for, and a checked file nobody took (another one was
+            # bad) is closed.
+            for future in pending:
+                future.cancel()
+            concurrent.futures.wait(pending)
+            for future in pending:
+                if not future.cancelled() and future.exception() is None:
                     result = future.result()
-                    if isinstance(result, FileProblem):
-                        # Files not started yet are not read at all (as in file_problems).
-                        pool.shutdown(wait=True, cancel_futures=True)
-                        raise result.error(self.directory)
-                    with self._lock:
-                        into[name] = result
-            finally:
-                # A checked file nobody took (another one was bad): close it.
-                for future in pending:
-                    if future.done() and not future.cancelled():
-                        result = future.result()
-                        if isinstance(result, StreamedFile) and result not in into.values():
-                            result.close()
+                    if isinstance(result, StreamedFile) and result not in into.values():
+                        result.close()
 
     def _stream(self, name: str) -> StreamedFile | FileProblem:
         entry = self._entries.get(name)

@@ -38,6 +38,7 @@ import xxhash
 from stalwart.errors import CheckpointCorruptError
 from stalwart.manifest import FileEntry, open_checkpoint_file
 from stalwart.verify import FileProblem, checksum_problem, size_problem
+from stalwart.workers import Workers
 
 __all__ = ["EDGE", "SMALL_ITEM", "Span", "StreamedFile", "keep_spans", "stream_check"]
 
@@ -48,6 +49,10 @@ in, and a chunk still in the shared cache hashes faster); no slower at 1 GiB."""
 
 READ_THREADS = max(1, min(2, os.cpu_count() or 1))
 """Threads reading tensor data into place (preadv releases the GIL)."""
+
+_READERS = Workers("stalwart-read", READ_THREADS)
+_HASHERS = Workers("stalwart-hash", max(1, min(4, os.cpu_count() or 1)))
+"""One hashing thread per file streamed at a time (``VerifiedFiles`` streams up to four)."""
 
 SMALL_ITEM = 256 * 1024
 """Items up to this size are kept whole while streaming (decoded from memory)."""
@@ -138,9 +143,10 @@ class StreamedFile:
             for view, offset in pieces:
                 self.read_into(view, offset)
             return
-        with concurrent.futures.ThreadPoolExecutor(READ_THREADS, "stalwart-read") as pool:
-            for done in [pool.submit(self.read_into, view, offset) for view, offset in pieces]:
-                done.result()  # the first error, after every read stopped (pool exit)
+        pending = [_READERS.submit(self.read_into, view, offset) for view, offset in pieces]
+        concurrent.futures.wait(pending)  # every read stopped before anything is raised
+        for done in pending:
+            done.result()  # the first error
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -216,17 +222,18 @@ def _stream(fd: int, spans: list[Span]) -> tuple[str, int, dict[Span, bytearray]
     todo = list(spans)
     pos = 0
     hashing: concurrent.futures.Future[Any] | None = None
-    with concurrent.futures.ThreadPoolExecutor(1, "stalwart-hash") as pool:
+    try:
         for turn in itertools.count():
             view = memoryview(buffers[turn % 2])
             # The buffer hashed two turns ago is free: the last turn waited for it.
             n = os.readv(fd, [view])
             if hashing is not None:
                 hashing.result()
+                hashing = None
             if not n:
                 break
             chunk = view[:n]
-            hashing = pool.submit(hasher.update, chunk)
+            hashing = _HASHERS.submit(hasher.update, chunk)
             while todo and todo[0][0] < pos + n:
                 a, b = todo[0]
                 kept[a, b] += chunk[max(a, pos) - pos : min(b, pos + n) - pos]
@@ -234,4 +241,7 @@ def _stream(fd: int, spans: list[Span]) -> tuple[str, int, dict[Span, bytearray]
                     break
                 todo.pop(0)
             pos += n
+    finally:
+        if hashing is not None:  # a failed read: the buffer is in use until hashed
+            concurrent.futures.wait([hashing])
     return hasher.hexdigest(), pos, kept
