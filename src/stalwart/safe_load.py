@@ -19,7 +19,8 @@ unpickler that builds only DCP's plain-data classes and checks the result
 before anyone uses it (``read_dcp_metadata`` is re-exported here). This module
 owns the rest of a load: the reader, the planner and ``safe_load``. Non-tensor
 values go through ``torch.load(weights_only=True)``, torch's own restricted
-unpickler; a user who stores an object of their own class there allowlists it
+unpickler (plain python data first through a C unpickler that resolves no
+global at all, ``_plain_value``); a user who stores an object of their own class there allowlists it
 with ``torch.serialization.add_safe_globals``, knowingly. Tensor data was
 already read with ``weights_only=True`` by DCP itself.
 
@@ -34,6 +35,7 @@ import contextlib
 import io
 import os
 import pickle
+import pickletools
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -159,6 +161,99 @@ def _weights_only_detail(exc: BaseException) -> str:
     return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
+class _NotPlainError(Exception):
+    """A value that is not plain python data: ``torch.load(weights_only=True)`` decides."""
+
+
+def _latin1(text: Any, encoding: Any = None) -> bytes:
+    """What protocol 2 pickles non-empty bytes as (``_codecs.encode(str, "latin1")``), and
+    nothing else."""
+    if type(text) is not str or encoding != "latin1":
+        raise _NotPlainError("_codecs.encode called other than for bytes")
+    return text.encode("latin1")
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """What protocol 2 pickles ``b""`` as (``bytes()``), and nothing else."""
+    if args:
+        raise _NotPlainError("bytes called with arguments")
+    return b""
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Python's C unpickler resolving no global but protocol 2's bytes constructors.
+
+    Without a global nothing can be called or instantiated: the result can only
+    be None, bools, numbers, strings, bytes and containers of them.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1
+        if name == "bytes" and module in ("__builtin__", "builtins"):
+            return _empty_bytes  # b"" in protocol 2
+        raise _NotPlainError(f"global {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _NotPlainError("a persistent id (a tensor's storage)")
+
+
+def _plain_value(value: io.BytesIO) -> tuple[bool, Any]:
+    """``(True, obj)`` when ``value`` is the ``torch.save`` of plain python data, else
+    ``(False, None)``.
+
+    A quarter of ``torch.load(weights_only=True)``'s time for the small values a
+    state holds (an optimizer's hyperparameters, counters): the same zip reader,
+    then a restricted C unpickler instead of torch's Python one. Whatever this
+    refuses or cannot read (a tensor, an allowlisted class, damaged bytes, an
+    opcode or memo index ``_plain_opcodes`` does not allow) goes to
+    ``torch.load(weights_only=True)``, which accepts or refuses it as before.
+    """
+    try:
+        reader = torch._C.PyTorchFileReader(value)
+        pickled = reader.get_record("data.pkl")
+        if not _plain_opcodes(pickled):
+            return False, None
+        return True, _PlainUnpickler(io.BytesIO(pickled), encoding="utf-8").load()
+    except Exception:
+        return False, None
+
+
+_PLAIN_OPCODES = frozenset(
+    {
+        "PROTO", "STOP", "MARK", "NONE", "NEWTRUE", "NEWFALSE",
+        "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE",
+        "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
+        "EMPTY_LIST", "APPEND", "APPENDS", "EMPTY_DICT", "SETITEM", "SETITEMS",
+        "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "GLOBAL", "REDUCE",
+    }
+)  # fmt: skip
+"""The protocol 2 opcodes ``torch.save`` writes for plain data, all of which torch's
+weights-only unpickler reads too."""
+
+_MEMO_OPCODES = frozenset({"BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT"})
+
+
+def _plain_opcodes(pickled: bytes) -> bool:
+    """Only ``_PLAIN_OPCODES``, and memo indices below the opcode count so far.
+
+    Python's C unpickler grows its memo to whatever index a ``PUT`` names (a
+    9-byte pickle can make it zero-fill 64 GiB): with indices bounded by the
+    pickle's own length, the memo never outgrows it. ``pickletools.genops``
+    reads every argument from the bytes themselves (no length is allocated
+    before it is there) and builds nothing.
+    """
+    try:
+        for count, (op, arg, _pos) in enumerate(pickletools.genops(pickled)):
+            if op.name not in _PLAIN_OPCODES:
+                return False
+            if op.name in _MEMO_OPCODES and not (isinstance(arg, int) and 0 <= arg <= count):
+                return False
+    except ValueError:  # malformed
+        return False
+    return True
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that reads non-tensor values with ``weights_only=True``.
 
@@ -170,7 +265,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         try:
-            obj = torch.load(value, weights_only=True)
+            plain, obj = _plain_value(value)
+            if not plain:
+                value.seek(0)
+                obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             # torch's weights-only unpickler raises this for every global or
             # opcode it refuses.
