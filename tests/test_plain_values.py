@@ -143,6 +143,8 @@ class Exploit:
         b"\x80\x02c_codecs\nencode\nK\x01X\x06\x00\x00\x00latin1\x86R.",  # not a str
         b"\x80\x02cbuiltins\neval\nX\x01\x00\x00\x001\x85R.",
         b"\x80\x02c__builtin__\nbytes\nK\x05\x85R.",  # bytes(5), not b""
+        b"\x80\x02c_codecs\nencode\n.",  # the function itself as the value
+        b"\x80\x02]q\x00c__builtin__\nbytes\na.",  # ... or inside a list
         b"\x80\x02X\x01\x00\x00\x001Q.",  # a persistent id: a storage
         b"\x80\x02]q\x00(K\x01",  # cut short
         b"",
@@ -233,3 +235,65 @@ def test_only_protocol_2_plain_opcodes_with_bounded_memo_indices_pass(
 
 def test_a_huge_memo_index_goes_to_torch_load_and_allocates_nothing() -> None:
     assert _plain_value(zipped(HUGE_PUT)) == (False, None)
+
+
+def test_a_container_that_holds_itself_reads_as_torch_load_reads_it() -> None:
+    loop: list[Any] = [1]
+    loop.append(loop)
+    plain, got = _plain_value(saved(loop))
+    assert plain and got[1] is got and got[0] == 1
+    assert torch.load(saved(loop), weights_only=True)[1] is not None
+
+
+def test_nesting_deeper_than_the_recursion_limit_is_checked_without_recursion() -> None:
+    deep = b"\x80\x02" + b"]" * 20000 + b"a" * 19999 + b"."
+    plain, got = _plain_value(zipped(deep))
+    assert plain
+    for _ in range(19999):
+        (got,) = got
+    assert got == []
+
+
+SAMPLE = pickle.dumps(
+    {"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1, 2], "n": None, "b": b"xy", "e": b""},
+    protocol=2,
+)
+
+PLAIN_TYPES = (type(None), bool, int, float, str, bytes, list, tuple, dict)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["set", "delete", "insert"]),
+            st.floats(0, 1),
+            st.binary(min_size=1, max_size=1),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+@settings(max_examples=300, deadline=None)
+def test_a_damaged_pickle_is_refused_or_reads_as_plain_data(
+    edits: list[tuple[str, float, bytes]],
+) -> None:
+    data = bytearray(SAMPLE)
+    for how, where, byte in edits:
+        at = min(int(where * len(data)), len(data) - 1)
+        if how == "set":
+            data[at] = byte[0]
+        elif how == "delete":
+            del data[at]
+        else:
+            data.insert(at, byte[0])
+    plain, got = _plain_value(zipped(bytes(data)))
+    if not plain:
+        assert got is None
+        return
+    todo, seen = [got], set()
+    while todo:
+        item = todo.pop()
+        assert isinstance(item, PLAIN_TYPES), type(item)
+        if isinstance(item, (list, tuple, dict)) and id(item) not in seen:
+            seen.add(id(item))
+            todo.extend([*item.keys(), *item.values()] if isinstance(item, dict) else item)

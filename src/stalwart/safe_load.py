@@ -214,9 +214,38 @@ def _plain_value(value: io.BytesIO) -> tuple[bool, Any]:
         pickled = reader.get_record("data.pkl")
         if not _plain_opcodes(pickled):
             return False, None
-        return True, _PlainUnpickler(io.BytesIO(pickled), encoding="utf-8").load()
+        obj = _PlainUnpickler(io.BytesIO(pickled), encoding="utf-8").load()
     except Exception:
         return False, None
+    # A global that no REDUCE called (a crafted pickle) would be left in the value.
+    return (True, obj) if _only_plain_data(obj) else (False, None)
+
+
+_PLAIN_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
+_PLAIN_CONTAINERS = frozenset({list, tuple, dict})
+
+
+def _only_plain_data(obj: Any) -> bool:
+    """Whether ``obj`` holds nothing but ``_PLAIN_SCALARS`` in ``_PLAIN_CONTAINERS``
+    (iterative: any depth, and containers that contain themselves)."""
+    seen: set[int] = set()
+    todo = [obj]
+    while todo:
+        item = todo.pop()
+        kind = type(item)
+        if kind in _PLAIN_SCALARS:
+            continue
+        if kind not in _PLAIN_CONTAINERS:
+            return False
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if kind is dict:
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        else:
+            todo.extend(item)
+    return True
 
 
 _PLAIN_OPCODES = frozenset(
