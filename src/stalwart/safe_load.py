@@ -20,7 +20,8 @@ before anyone uses it (``read_dcp_metadata`` is re-exported here). This module
 owns the rest of a load: the reader, the planner and ``safe_load``. Non-tensor
 values go through ``torch.load(weights_only=True)``, torch's own restricted
 unpickler (plain python data first through a C unpickler that resolves no
-global at all, ``_plain_value``); a user who stores an object of their own class there allowlists it
+global but protocol 2's two bytes constructors, ``_plain_value``); a user who
+stores an object of their own class there allowlists it
 with ``torch.serialization.add_safe_globals``, knowingly. Tensor data was
 already read with ``weights_only=True`` by DCP itself.
 
@@ -218,16 +219,18 @@ def _plain_value(value: io.BytesIO) -> tuple[bool, Any]:
     except Exception:
         return False, None
     # A global that no REDUCE called (a crafted pickle) would be left in the value.
-    return (True, obj) if _only_plain_data(obj) else (False, None)
+    return (True, obj) if is_plain_data(obj) else (False, None)
 
 
 _PLAIN_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 _PLAIN_CONTAINERS = frozenset({list, tuple, dict})
 
 
-def _only_plain_data(obj: Any) -> bool:
-    """Whether ``obj`` holds nothing but ``_PLAIN_SCALARS`` in ``_PLAIN_CONTAINERS``
-    (iterative: any depth, and containers that contain themselves)."""
+def is_plain_data(obj: Any) -> bool:
+    """Whether ``obj`` holds nothing but ``_PLAIN_SCALARS`` in ``_PLAIN_CONTAINERS``,
+    exactly those types (a subclass's pickle may not say what it holds); iterative:
+    any depth, and containers that contain themselves. Saves use it too
+    (``save_plan``: which values' ``torch.save`` bytes may be reused)."""
     seen: set[int] = set()
     todo = [obj]
     while todo:
@@ -264,7 +267,7 @@ _MEMO_OPCODES = frozenset({"BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT"})
 
 
 def _plain_opcodes(pickled: bytes) -> bool:
-    """Only ``_PLAIN_OPCODES``, and memo indices below the opcode count so far.
+    """Only ``_PLAIN_OPCODES``, and no memo index above the opcode count so far.
 
     Python's C unpickler grows its memo to whatever index a ``PUT`` names (a
     9-byte pickle can make it zero-fill 64 GiB): with indices bounded by the

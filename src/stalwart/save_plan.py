@@ -58,10 +58,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from stalwart import metadata_json
+from stalwart.safe_load import is_plain_data
 
 __all__ = ["CachingSavePlanner", "SavePlanCache", "encode_metadata"]
 
-_PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
 _TORCH_SAVE_PROTOCOL = 2
 """The pickle protocol ``torch.save`` writes with by default."""
 
@@ -242,7 +242,7 @@ def _replace_once(
 
 def _value_key(value: Any, settings: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
     """The cache key of a plain-data value (its pickle), None for anything else."""
-    if settings is None or not _is_plain(value, depth=0):
+    if settings is None or not is_plain_data(value):
         return None
     try:
         pickled = pickle.dumps(value, protocol=_TORCH_SAVE_PROTOCOL)
@@ -251,23 +251,6 @@ def _value_key(value: Any, settings: tuple[Any, ...] | None) -> tuple[Any, ...] 
     if len(pickled) > SavePlanCache.MAX_VALUE_BYTES:
         return None
     return (*settings, pickled)
-
-
-def _is_plain(value: Any, *, depth: int) -> bool:
-    """Exactly the built-in data types (no subclass: its pickle may not say what it saves)."""
-    if depth > 32:
-        return False
-    kind = type(value)
-    if kind in _PLAIN_SCALARS:
-        return True
-    if kind is list or kind is tuple:
-        return all(_is_plain(v, depth=depth + 1) for v in value)
-    if kind is dict:
-        return all(
-            _is_plain(k, depth=depth + 1) and _is_plain(v, depth=depth + 1)
-            for k, v in value.items()
-        )
-    return False
 
 
 def _item_keys(state_dict: dict[str, Any], is_coordinator: bool) -> list[Any] | None:

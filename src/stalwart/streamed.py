@@ -37,7 +37,7 @@ import xxhash
 
 from stalwart.errors import CheckpointCorruptError
 from stalwart.manifest import FileEntry, open_checkpoint_file
-from stalwart.verify import FileProblem, checksum_problem, size_problem
+from stalwart.verify import VERIFY_THREADS, FileProblem, checksum_problem, size_problem
 from stalwart.workers import Workers
 
 __all__ = ["EDGE", "SMALL_ITEM", "Span", "StreamedFile", "keep_spans", "stream_check"]
@@ -51,8 +51,9 @@ READ_THREADS = max(1, min(2, os.cpu_count() or 1))
 """Threads reading tensor data into place (preadv releases the GIL)."""
 
 _READERS = Workers("stalwart-read", READ_THREADS)
-_HASHERS = Workers("stalwart-hash", max(1, min(4, os.cpu_count() or 1)))
-"""One hashing thread per file streamed at a time (``VerifiedFiles`` streams up to four)."""
+_HASHERS = Workers("stalwart-hash", VERIFY_THREADS)
+"""One hashing thread per file streamed at a time (``VerifiedFiles`` checks up to
+``VERIFY_THREADS`` files at once)."""
 
 SMALL_ITEM = 256 * 1024
 """Items up to this size are kept whole while streaming (decoded from memory)."""
