@@ -43,16 +43,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import _version as _dcp_version
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_local_load_plan,
+)
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     Metadata,
+    MetadataIndex,
     StorageMeta,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from stalwart.dcp_metadata import read_dcp_metadata, read_metadata_file
@@ -293,6 +299,63 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     the classes allowlisted with ``torch.serialization.add_safe_globals`` load;
     anything else raises ``UnsafeCheckpointError`` naming the value's key.
     """
+
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's local plan, with each plain tensor saved whole in one chunk planned directly.
+
+        DCP plans every tensor through its resharding search (about 15 us a
+        tensor here). A plain tensor whose checkpoint entry is one chunk of the
+        same shape at offset 0 gets exactly the one read item that search
+        returns; everything else (sharded tensors, other chunkings, a size
+        that differs, a key the checkpoint lacks, a checkpoint from before torch
+        2.4's key scheme) is planned by DCP itself, one value at a time, in order.
+        """
+        if self.metadata is None or not self.flatten_state_dict or self._keys_of_torch_2_3():
+            return super().create_local_plan()
+        saved = self.metadata.state_dict_metadata
+        strict = not self.allow_partial_load
+        items: list[ReadItem] = []
+        for fqn, obj in self.state_dict.items():
+            md = saved.get(fqn)
+            whole = (
+                type(obj) is torch.Tensor
+                and isinstance(md, TensorStorageMetadata)
+                and len(md.chunks) == 1
+                and md.size == obj.size() == md.chunks[0].sizes
+                and not any(md.chunks[0].offsets)
+            )
+            if whole:
+                assert isinstance(md, TensorStorageMetadata)
+                zeros = torch.Size([0] * obj.dim())
+                items.append(
+                    ReadItem(
+                        type=LoadItemType.TENSOR,
+                        dest_index=MetadataIndex(fqn, zeros, 0),
+                        dest_offsets=zeros,
+                        storage_index=MetadataIndex(fqn, md.chunks[0].offsets, 0),
+                        storage_offsets=zeros,
+                        lengths=md.size,
+                    )
+                )
+            else:
+                items += create_default_local_load_plan({fqn: obj}, self.metadata, strict).items
+        return LoadPlan(items)
+
+    def _keys_of_torch_2_3(self) -> bool:
+        """Whether DCP would switch to torch 2.3's flattened keys for this checkpoint
+        (its own test, in ``DefaultLoadPlanner.create_local_plan``); True when unsure."""
+        assert self.metadata is not None
+        missing = self.metadata.state_dict_metadata.keys() - self.state_dict.keys()
+        if not missing:
+            return False
+        if getattr(_dcp_version, "_derived_version", "") is not None:
+            return True  # a torch without that switch, or one in use: DCP decides
+        _dcp_version._derived_version = "2_3"
+        try:
+            old, _ = flatten_state_dict(self.original_state_dict)
+        finally:
+            _dcp_version._derived_version = None
+        return bool(old.keys() & missing)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
