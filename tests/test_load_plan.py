@@ -80,116 +80,63 @@ def _saved_like(state: dict[str, Any]) -> dict[str, Any]:
     return entries
 
 
-CASES: dict[str, Any] = {}
+def _edit(state: dict[str, Any], entries: dict[str, Any], change: str) -> None:
+    """Apply one named change to a state and the checkpoint entries saved from it."""
+    if change == "more saved":
+        entries["optim.state.0.exp_avg"] = _tensor_md((3, 4))
+        entries["extra"] = BytesStorageMetadata()
+    elif change == "missing":
+        del entries["model.0.bias"]
+    elif change == "other size":
+        entries["model.0.weight"] = _tensor_md((3, 5))
+    elif change == "two chunks":
+        entries["model.0.weight"] = _tensor_md((3, 4), ((0, 0), (2, 4)), ((2, 0), (1, 4)))
+    elif change == "offset chunk":
+        entries["model.0.weight"] = _tensor_md((3, 4), ((1, 0), (2, 4)))
+    elif change == "bytes for tensor":
+        entries["model.0.weight"] = BytesStorageMetadata()
+    elif change == "tensor for value":
+        entries["step"] = _tensor_md((1,))
+    elif change == "subclass":
+        state["model"]["0.weight"] = torch.nn.Parameter(state["model"]["0.weight"])
+    elif change == "old keys":
+        state["hparams"] = {"lr": 0.1, "betas": [0.9, 0.99]}
+        entries["hparams"] = BytesStorageMetadata()
+    elif change == "empty container":
+        state["notes"] = {}
+        entries["notes"] = BytesStorageMetadata()
+    else:
+        assert change == "none", change
 
 
-def _case(name: str) -> Any:
-    def register(fn: Any) -> Any:
-        CASES[name] = fn
-        return fn
-
-    return register
-
-
-@_case("every key, saved whole")
-def _same() -> tuple[dict[str, Any], dict[str, Any], bool]:
-    state = _model_state()
-    return state, _saved_like(state), False
-
-
-@_case("checkpoint has more keys (a split restore)")
-def _more_saved() -> tuple[dict[str, Any], dict[str, Any], bool]:
-    state = _model_state()
-    entries = _saved_like(state)
-    entries["optim.state.0.exp_avg"] = _tensor_md((3, 4))
-    entries["extra"] = BytesStorageMetadata()
-    return state, entries, False
+CASES: dict[str, tuple[str, bool]] = {
+    "every key, saved whole": ("none", False),
+    "checkpoint has more keys (a split restore)": ("more saved", False),
+    "a key the checkpoint lacks, strict": ("missing", False),
+    "a key the checkpoint lacks, partial load": ("missing", True),
+    "another size": ("other size", False),
+    "saved in two chunks": ("two chunks", False),
+    "one chunk at an offset": ("offset chunk", False),
+    "a tensor where the checkpoint has bytes": ("bytes for tensor", False),
+    "a plain value where the checkpoint has a tensor": ("tensor for value", False),
+    "a tensor subclass": ("subclass", False),
+    "torch 2.3's keys: a dict saved whole": ("old keys", False),
+    "an empty container the checkpoint has as a value": ("empty container", False),
+}
+"""Each case: the change to a plain model's state and checkpoint, and whether the load is partial."""
 
 
-@_case("a key the checkpoint lacks, strict")
-def _missing_strict() -> tuple[dict[str, Any], dict[str, Any], bool]:
-    state = _model_state()
-    entries = _saved_like(state)
-    del entries["model.0.bias"]
-    return state, entries, False
-
-
-@_case("a key the checkpoint lacks, partial load")
-def _missing_partial() -> tuple[dict[str, Any], dict[str, Any], bool]:
-    state = _model_state()
-    entries = _saved_like(state)
-    del entries["model.0.bias"]
-    return state, entries, True
-
-
-@_case("another size")
-def _other_size() -> tuple[dict[str, Any], dict[str, Any], bool]:
-    state = _model_state()
-    entries = _saved_like(state)
-    entries["model.0.weight"] = _tensor_md((3, 5))
-    return state, entries, False
-
-
-@_case("saved in two chunks")
-def _two_chunks() -> tuple[dict[str, Any], dict[str, Any], bool]:
+def _build(name: str) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    change, partial = CASES[name]
     state = _model_state()
     entries = _saved_like(state)
-    entries["model.0.weight"] = _tensor_md((3, 4), ((0, 0), (2, 4)), ((2, 0), (1, 4)))
-    return state, entries, False
-
-
-@_case("one chunk at an offset")
-def _offset_chunk() -> tuple[dict[str, Any], dict[str, Any], bool]:
-    state = _model_state()
-    entries = _saved_like(state)
-    entries["model.0.weight"] = _tensor_md((3, 4), ((1, 0), (2, 4)))
-    return state, entries, False
-
-
-@_case("a tensor where the checkpoint has bytes")
-def _tensor_for_bytes() -> tuple[dict[str, Any], dict[str, Any], bool]:
-    state = _model_state()
-    entries = _saved_like(state)
-    entries["model.0.weight"] = BytesStorageMetadata()
-    return state, entries, False
-
-
-@_case("a plain value where the checkpoint has a tensor")
-def _value_for_tensor() -> tuple[dict[str, Any], dict[str, Any], bool]:
-    state = _model_state()
-    entries = _saved_like(state)
-    entries["step"] = _tensor_md((1,))
-    return state, entries, False
-
-
-@_case("a tensor subclass")
-def _subclass() -> tuple[dict[str, Any], dict[str, Any], bool]:
-    state = _model_state()
-    state["model"]["0.weight"] = torch.nn.Parameter(state["model"]["0.weight"])
-    return state, _saved_like(state), False
-
-
-@_case("torch 2.3's keys: a dict saved whole")
-def _old_keys() -> tuple[dict[str, Any], dict[str, Any], bool]:
-    state = _model_state()
-    state["hparams"] = {"lr": 0.1, "betas": [0.9, 0.99]}
-    entries = _saved_like(state)
-    entries["hparams"] = BytesStorageMetadata()
-    return state, entries, False
-
-
-@_case("an empty container the checkpoint has as a value")
-def _empty_container() -> tuple[dict[str, Any], dict[str, Any], bool]:
-    state = _model_state()
-    state["notes"] = {}
-    entries = _saved_like(state)
-    entries["notes"] = BytesStorageMetadata()
-    return state, entries, False
+    _edit(state, entries, change)
+    return state, entries, partial
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_local_plan_is_dcps_own(name: str) -> None:
-    state, entries, partial = CASES[name]()
+    state, entries, partial = _build(name)
     ours = _outcome(SafeLoadPlanner(allow_partial_load=partial), _copy(state), _metadata(entries))
     theirs = _outcome(
         DefaultLoadPlanner(allow_partial_load=partial), _copy(state), _metadata(entries)
@@ -210,13 +157,13 @@ def test_plain_tensors_skip_dcps_search(monkeypatch: pytest.MonkeyPatch) -> None
         return dcp_plan(state_dict, *args)
 
     monkeypatch.setattr(safe_load_module, "create_default_local_load_plan", counting)
-    state, entries, _ = CASES["checkpoint has more keys (a split restore)"]()
+    state, entries, _ = _build("checkpoint has more keys (a split restore)")
     plan = _plan(SafeLoadPlanner(), state, _metadata(entries))
     # Only the non-tensor value went to DCP; the model's tensors and the 0-d one did not.
     assert calls == [["step"]]
     assert len(plan.items) == len(state["model"]) + 2
 
     calls.clear()
-    state, entries, _ = CASES["saved in two chunks"]()
+    state, entries, _ = _build("saved in two chunks")
     _plan(SafeLoadPlanner(), state, _metadata(entries))
     assert ["model.0.weight"] in calls  # resharding is DCP's business
