@@ -91,6 +91,8 @@ def _edit(state: dict[str, Any], entries: dict[str, Any], change: str) -> None:
         entries["model.0.weight"] = _tensor_md((3, 5))
     elif change == "two chunks":
         entries["model.0.weight"] = _tensor_md((3, 4), ((0, 0), (2, 4)), ((2, 0), (1, 4)))
+    elif change == "offsets of another rank":  # crafted: one offset for a 2-d tensor
+        entries["model.0.weight"] = _tensor_md((3, 4), ((0,), (3, 4)))
     elif change == "offset chunk":
         entries["model.0.weight"] = _tensor_md((3, 4), ((1, 0), (2, 4)))
     elif change == "bytes for tensor":
@@ -117,6 +119,7 @@ CASES: dict[str, tuple[str, bool]] = {
     "another size": ("other size", False),
     "saved in two chunks": ("two chunks", False),
     "one chunk at an offset": ("offset chunk", False),
+    "a chunk whose offsets have another rank": ("offsets of another rank", False),
     "a tensor where the checkpoint has bytes": ("bytes for tensor", False),
     "a plain value where the checkpoint has a tensor": ("tensor for value", False),
     "a tensor subclass": ("subclass", False),

@@ -70,6 +70,7 @@ from stalwart.errors import (
     UnsafeCheckpointError,
 )
 from stalwart.manifest import open_checkpoint_file
+from stalwart.state.plain import is_plain_data
 
 __all__ = [
     "SafeFileSystemReader",
@@ -228,35 +229,6 @@ def _plain_value(value: io.BytesIO) -> tuple[bool, Any]:
     return (True, obj) if is_plain_data(obj) else (False, None)
 
 
-_PLAIN_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
-_PLAIN_CONTAINERS = frozenset({list, tuple, dict})
-
-
-def is_plain_data(obj: Any) -> bool:
-    """Whether ``obj`` holds nothing but ``_PLAIN_SCALARS`` in ``_PLAIN_CONTAINERS``,
-    exactly those types (a subclass's pickle may not say what it holds); iterative:
-    any depth, and containers that contain themselves. Saves use it too
-    (``save_plan``: which values' ``torch.save`` bytes may be reused)."""
-    seen: set[int] = set()
-    todo = [obj]
-    while todo:
-        item = todo.pop()
-        kind = type(item)
-        if kind in _PLAIN_SCALARS:
-            continue
-        if kind not in _PLAIN_CONTAINERS:
-            return False
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if kind is dict:
-            todo.extend(item.keys())
-            todo.extend(item.values())
-        else:
-            todo.extend(item)
-    return True
-
-
 _PLAIN_OPCODES = frozenset(
     {
         "PROTO", "STOP", "MARK", "NONE", "NEWTRUE", "NEWFALSE",
@@ -316,27 +288,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         strict = not self.allow_partial_load
         items: list[ReadItem] = []
         for fqn, obj in self.state_dict.items():
-            md = saved.get(fqn)
-            whole = (
-                type(obj) is torch.Tensor
-                and isinstance(md, TensorStorageMetadata)
-                and len(md.chunks) == 1
-                and md.size == obj.size() == md.chunks[0].sizes
-                and not any(md.chunks[0].offsets)
-            )
-            if whole:
-                assert isinstance(md, TensorStorageMetadata)
-                zeros = torch.Size([0] * obj.dim())
-                items.append(
-                    ReadItem(
-                        type=LoadItemType.TENSOR,
-                        dest_index=MetadataIndex(fqn, zeros, 0),
-                        dest_offsets=zeros,
-                        storage_index=MetadataIndex(fqn, md.chunks[0].offsets, 0),
-                        storage_offsets=zeros,
-                        lengths=md.size,
-                    )
-                )
+            item = _whole_tensor_read(fqn, obj, saved.get(fqn))
+            if item is not None:
+                items.append(item)
             else:
                 items += create_default_local_load_plan({fqn: obj}, self.metadata, strict).items
         return LoadPlan(items)
@@ -379,6 +333,30 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+def _whole_tensor_read(fqn: str, obj: Any, md: Any) -> ReadItem | None:
+    """The one read item DCP plans for a plain tensor whose checkpoint entry is one
+    chunk of its own shape at offset 0; None for anything else."""
+    if type(obj) is not torch.Tensor or not isinstance(md, TensorStorageMetadata):
+        return None
+    if len(md.chunks) != 1:
+        return None
+    chunk = md.chunks[0]
+    size = obj.size()
+    if not (md.size == size == chunk.sizes and len(chunk.offsets) == len(size)):
+        return None
+    if any(chunk.offsets):
+        return None
+    zeros = torch.Size([0] * len(size))
+    return ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex(fqn, zeros, 0),
+        dest_offsets=zeros,
+        storage_index=MetadataIndex(fqn, chunk.offsets, 0),
+        storage_offsets=zeros,
+        lengths=md.size,
+    )
 
 
 def _copy_error(exc: StalwartError) -> StalwartError:

@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from stalwart import metadata_json
-from stalwart.safe_load import is_plain_data
+from stalwart.state.plain import is_plain_data
 
 __all__ = ["CachingSavePlanner", "SavePlanCache", "encode_metadata"]
 

@@ -14,7 +14,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["ATOMIC", "LEAVES", "META", "PLAIN_LEAVES", "blob", "check_plain", "preview", "unblob"]
+__all__ = [
+    "ATOMIC",
+    "LEAVES",
+    "META",
+    "PLAIN_LEAVES",
+    "blob",
+    "check_plain",
+    "is_plain_data",
+    "preview",
+    "unblob",
+]
 
 META = "_stalwart"
 """Section of TrainState's own bookkeeping (sections saved, which optimizers were fresh)."""
@@ -22,6 +32,36 @@ PLAIN_LEAVES = (type(None), bool, int, float, str, bytes, torch.dtype, torch.Siz
 """Non-tensor leaf types a state may hold."""
 ATOMIC = frozenset({int, float, bool, str, bytes, type(None)})
 """Leaf types whose containers need no per-element visit (exact types: no subclasses)."""
+_CONTAINERS = frozenset({list, tuple, dict})
+
+
+def is_plain_data(obj: Any) -> bool:
+    """Whether ``obj`` holds nothing but ``ATOMIC`` values in lists, tuples and dicts,
+    exactly those types (a subclass's pickle may not say what it holds); iterative:
+    any depth, and containers that contain themselves.
+
+    A restore reads a value with the plain unpickler only if this holds of what it
+    read (``safe_load``); a save reuses a value's ``torch.save`` bytes only if it
+    holds (``save_plan``).
+    """
+    seen: set[int] = set()
+    todo = [obj]
+    while todo:
+        item = todo.pop()
+        kind = type(item)
+        if kind in ATOMIC:
+            continue
+        if kind not in _CONTAINERS:
+            return False
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if kind is dict:
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        else:
+            todo.extend(item)
+    return True
 
 
 def blob(value: Any, where: str) -> tuple[Any]:
