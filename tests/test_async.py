@@ -32,6 +32,25 @@ def test_staging_reuses_its_buffers_between_saves() -> None:
     assert area.nbytes == 8 * 4
 
 
+def test_staging_matches_buffers_by_position_whatever_the_layout_does_next() -> None:
+    area = StagingArea()
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    first = area.stage({"a": a, "b": b, "n": {"c": torch.arange(5)}})
+    assert first["a"].data_ptr() != first["b"].data_ptr()  # same shape, own buffers
+    # The same shapes in another order, a dtype change and a new key: every
+    # staged value equals its source and no two share memory.
+    half = torch.randn(16, 16).half()
+    second = area.stage({"b": b, "a": half, "n": {"c": torch.arange(5)}, "z": torch.ones(2)})
+    assert torch.equal(second["b"], b) and torch.equal(second["a"], half)
+    assert second["a"].dtype == torch.float16 and torch.equal(second["z"], torch.ones(2))
+    ptrs = [t.data_ptr() for t in (second["a"], second["b"], second["n"]["c"], second["z"])]
+    assert len(set(ptrs)) == 4
+    assert second["b"].data_ptr() == first["a"].data_ptr()  # reused: first slot, same layout
+    assert area.nbytes == 16 * 16 * 4 + 16 * 16 * 2 + 5 * 8 + 2 * 4
+    third = area.stage({"only": torch.zeros(3)})  # fewer tensors: the rest is dropped
+    assert torch.equal(third["only"], torch.zeros(3)) and area.nbytes == 3 * 4
+
+
 def test_staged_copies_are_detached_exact_and_independent_of_the_source() -> None:
     area = StagingArea()
     weight = torch.nn.Parameter(torch.randn(32, 32))

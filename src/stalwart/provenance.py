@@ -42,7 +42,10 @@ def module_layouts(state: TrainState, world_size: int) -> dict[str, str]:
 
 def parallelism(state: TrainState, world_size: int = 1) -> str:
     """The layout of the trained model (``model=``), for the manifest: one word, or ``mixed``."""
-    layouts = module_layouts(state, world_size)
+    return _main_layout(module_layouts(state, world_size))
+
+
+def _main_layout(layouts: Mapping[str, str]) -> str:
     main = {v for k, v in layouts.items() if k == "model" or k.startswith("model.")}
     kinds = main or set(layouts.values())
     if not kinds:
@@ -76,6 +79,7 @@ class Provenance:
         Called in the training thread: it reads the live modules' layout and
         ``state.epoch``. ``hosts`` is every rank's hostname, in rank order.
         """
+        layouts = module_layouts(state, world_size)  # walks every module: once per save
         return {
             "world_size": world_size,
             "epoch": state.epoch,
@@ -92,8 +96,8 @@ class Provenance:
             "metrics": metrics,
             "topology": {
                 "world_size": world_size,
-                "parallelism": parallelism(state, world_size),
-                "modules": module_layouts(state, world_size),
+                "parallelism": _main_layout(layouts),
+                "modules": layouts,
                 "hosts": {str(r): h for r, h in enumerate(hosts)},
             },
         }
