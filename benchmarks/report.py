@@ -187,23 +187,50 @@ def analyze(results: dict[str, Any]) -> None:
                     )
                 )
             if _ok(ss.get("restore")):
+                rs = ss["restore"]
                 cold = r["restore_cold_x_raw_read"]["stalwart_sync"]
                 warm = r["restore_warm_x_raw_read"]["stalwart_sync"]
-                drop = ss["restore"].get("page_cache_drop") and refs.get("page_cache_drop")
+                # The goal holds for every case: cold and warm, into live objects and
+                # into fresh ones; the row shows the worst and passes only if it does.
+                cases = {"cold": cold, "warm": warm}
+                if rs.get("restore_fresh_cold_s"):
+                    cases["fresh objects, cold"] = _div(
+                        refs["raw_read_cold_s"], rs["restore_fresh_cold_s"]
+                    )
+                    cases["fresh objects, warm"] = _div(
+                        refs["raw_read_warm_s"], rs["restore_fresh_warm_s"]
+                    )
+                worst = min(cases, key=lambda k: cases[k])
+                drop = rs.get("page_cache_drop") and refs.get("page_cache_drop")
                 targets.append(
                     _target(
                         "restore (verified) >= 0.8x raw read",
                         size,
-                        cold,
-                        f">= {TARGET_RESTORE_X_RAW}x (cold cache)",
-                        cold >= TARGET_RESTORE_X_RAW,
-                        f"cold {_ms(ss['restore']['restore_cold_s'])} vs raw {_ms(refs['raw_read_cold_s'])}; "
-                        f"warm {warm:.2f}x ({_ms(ss['restore']['restore_warm_s'])} vs "
+                        cases[worst],
+                        f">= {TARGET_RESTORE_X_RAW}x (cold and warm, live and fresh objects)",
+                        cases[worst] >= TARGET_RESTORE_X_RAW,
+                        f"worst case {worst}; cold {cold:.2f}x ({_ms(rs['restore_cold_s'])} vs raw "
+                        f"{_ms(refs['raw_read_cold_s'])}); "
+                        f"warm {warm:.2f}x ({_ms(rs['restore_warm_s'])} vs "
                         f"{_ms(refs['raw_read_warm_s'])})"
-                        + _floor_note(refs, ss["restore"])
+                        + _floor_note(refs, rs)
                         + ("" if drop else "; page-cache drop did not work, cold = warm"),
                     )
                 )
+                peak = rs.get("restore_peak_rss_mib")
+                if peak is not None:
+                    state_mib = entry["bytes"] / MiB
+                    targets.append(
+                        _target(
+                            "restore's peak extra memory <= one checkpoint's size",
+                            size,
+                            _div(peak, state_mib),
+                            "<= 1x",
+                            peak <= state_mib,
+                            f"peak RSS growth {peak:.0f} MiB while restoring into live objects, "
+                            f"in a process of its own; the checkpoint holds {state_mib:.0f} MiB",
+                        )
+                    )
 
     training = results.get("training")
     for every in sorted({r["every"] for r in training["runs"]} if training else ()):

@@ -245,3 +245,51 @@ def test_a_floor_whose_background_measured_negative_counts_at_least_its_blocked_
     row = floor_row(async_run, floor_run)
     assert row["value"] == pytest.approx(ratio)
     assert ("taken as its blocked time alone" in row["detail"]) == (total < blocked)
+
+
+def restore_rows(restore: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """The restore targets of one size whose raw read took 100 ms cold, 50 ms warm."""
+    refs = {
+        "memcpy_s": 0.01,
+        "raw_write_s": 0.1,
+        "raw_write_cpu_s": 0.03,
+        "xxh3_s": 0.005,
+        "raw_read_cold_s": 0.1,
+        "raw_read_warm_s": 0.05,
+        "page_cache_drop": True,
+    }
+    sync = {
+        "stall_s": 0.1,
+        "e2e_s": 0.1,
+        "cpu_s": 0.04,
+        "events": {"write_s": 0.09, "checksum_s": 0.0, "commit_s": 0.005},
+        "restore": {"page_cache_drop": True, **restore},
+    }
+    entry = {"label": "64 MiB", "bytes": 64 * 2**20, "references": refs}
+    results: dict[str, Any] = {"sizes": [{**entry, "methods": {"stalwart_sync": sync}}]}
+    bench_report().analyze(results)
+    return {t["target"]: t for t in results["targets"] if "restore" in t["target"]}
+
+
+@pytest.mark.parametrize(
+    ("fresh_warm", "status", "worst"),
+    [(0.05, "PASS", "cold"), (0.1, "MISS", "fresh objects, warm")],
+)
+def test_the_restore_target_holds_only_when_every_case_does(
+    fresh_warm: float, status: str, worst: str
+) -> None:
+    """Cold and warm, into live and into fresh objects: the worst of the four decides."""
+    rows = restore_rows(
+        {
+            "restore_cold_s": 0.11,  # 0.91x
+            "restore_warm_s": 0.05,  # 1.0x
+            "restore_fresh_cold_s": 0.1,  # 1.0x
+            "restore_fresh_warm_s": fresh_warm,  # 1.0x, or 0.5x
+            "restore_peak_rss_mib": 70.0,
+        }
+    )
+    row = rows["restore (verified) >= 0.8x raw read"]
+    assert row["status"] == status and row["detail"].startswith(f"worst case {worst};"), row
+    assert row["value"] == pytest.approx(min(0.1 / 0.11, 0.05 / fresh_warm))
+    memory = rows["restore's peak extra memory <= one checkpoint's size"]
+    assert memory["status"] == "MISS" and memory["value"] == pytest.approx(70 / 64), memory
