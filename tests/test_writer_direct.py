@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 import stalwart
-from stalwart import hashed_file
+from stalwart import file_io, hashed_file
 from stalwart import writer as writer_module
 from stalwart.manifest import hash_file
 from stalwart.safe_load import read_dcp_metadata
@@ -190,15 +190,20 @@ def test_direct_data_lands_on_a_page_boundary_and_reads_back_exactly(
     assert back["step"] == 7
 
 
-def count_direct_bytes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Bytes each data file sent past the page cache, by the name of its folder."""
+def count_direct_bytes(
+    monkeypatch: pytest.MonkeyPatch, framing: dict[str, int] | None = None
+) -> dict[str, int]:
+    """Bytes of data each data file sent past the page cache, by the name of its folder
+    (the record framing sent along with them goes to ``framing``)."""
     direct: dict[str, int] = {}
     finish = hashed_file.HashedFile.finish
 
     def counting_finish(self: hashed_file.HashedFile):  # type: ignore[no-untyped-def]
         entry = finish(self)
         if self.path.suffix == ".distcp":
-            direct[self.path.parent.name] = self.direct_bytes
+            direct[self.path.parent.name] = self.direct_bytes - self.framing_bytes
+            if framing is not None:
+                framing[self.path.parent.name] = self.framing_bytes
         return entry
 
     monkeypatch.setattr(hashed_file.HashedFile, "finish", counting_finish)
@@ -259,6 +264,59 @@ def test_an_async_save_of_large_page_aligned_buffers_and_few_small_ones_is_not_p
     save(staged, tmp_path / "async", pack=True)
     pages = sum(t.nbytes - t.nbytes % PAGE for k, t in state.items() if k.startswith("w"))
     assert direct["async"] == (pages if direct_io else 0)
+
+
+@pytest.mark.parametrize("frames", [True, False], ids=["frames", "no-memory-map-for-frames"])
+def test_consecutive_staged_tensors_go_direct_together_with_the_framing_between_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, frames: bool
+) -> None:
+    """Each page-aligned tensor's whole pages would be one direct write each; the
+    framing between two of them (the last partial page, the trailer, the next
+    header: whole pages of the file) is copied into frame pages, so consecutive
+    tensors go out in a few large writes. The file is the same bytes. Where no
+    frame pages can be mapped, each tensor goes direct alone, the framing buffered."""
+    direct_io = takes_direct_io(tmp_path) and frames
+    framing: dict[str, int] = {}
+    direct = count_direct_bytes(monkeypatch, framing)
+    writes: list[int] = []
+    many = hashed_file.HashedFile._write_direct_many
+
+    def counting(self, fd, pieces, offset):  # type: ignore[no-untyped-def]
+        writes.append(sum(p.nbytes for p in pieces))
+        return many(self, fd, pieces, offset)
+
+    monkeypatch.setattr(hashed_file.HashedFile, "_write_direct_many", counting)
+    torch.manual_seed(0)
+    state = {f"w{i:02d}": torch.randn(257, 1031 + i) for i in range(24)}  # ~1 MiB each
+    staged = StagingArea().stage(state)
+    if not frames:
+
+        def no_map(*_args: object) -> None:
+            raise OSError(12, "Cannot allocate memory")
+
+        monkeypatch.setattr(file_io.mmap, "mmap", no_map)
+        monkeypatch.setattr(file_io.FRAME_POOL, "_idle", [])
+    written = save(staged, tmp_path / "async", pack=True)
+    pages = sum(t.nbytes - t.nbytes % PAGE for t in state.values())
+    if direct_io:
+        assert direct["async"] == pages
+        # One or two pages of framing between two tensors, all of it sent with them.
+        assert 0 < framing["async"] <= 2 * PAGE * len(state), framing
+        assert sum(writes) == pages + framing["async"]
+        assert len(writes) <= (pages + framing["async"]) // hashed_file.BOUNCE_BYTES + 1, writes
+        assert len(writes) < len(state) // 3, writes
+    elif frames or not takes_direct_io(tmp_path):  # no direct I/O: every byte buffered
+        assert direct["async"] == framing["async"] == 0 and not writes
+    else:  # one direct write per tensor, the framing between them buffered
+        assert direct["async"] == pages and framing["async"] == 0
+        assert len(writes) == len(state), writes
+    for entry in written:
+        assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "async" / entry.path)
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        dcp.load(back, storage_reader=FileSystemReader(tmp_path / "async"), no_dist=True)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
 def test_the_direct_path_runs_for_staged_and_for_live_tensors(
@@ -341,8 +399,8 @@ def test_no_memory_map_for_a_bounce_buffer_means_a_buffered_write(
     def no_map(*_args: object) -> None:
         raise OSError(12, "Cannot allocate memory")
 
-    monkeypatch.setattr(hashed_file.mmap, "mmap", no_map)
-    monkeypatch.setattr(hashed_file._BOUNCE, "_idle", [])
+    monkeypatch.setattr(file_io.mmap, "mmap", no_map)
+    monkeypatch.setattr(file_io.BOUNCE_POOL, "_idle", [])
     t = unaligned_tensor()
     view = writer_module._data_view(t)
     out = hashed_file.HashedFile(tmp_path / "f")
@@ -416,8 +474,8 @@ def test_a_file_that_cannot_be_packed_is_written_buffered(
             def no_map(*_args: object) -> None:
                 raise OSError(12, "Cannot allocate memory")
 
-            monkeypatch.setattr(hashed_file.mmap, "mmap", no_map)
-            monkeypatch.setattr(hashed_file._BOUNCE, "_idle", [])
+            monkeypatch.setattr(file_io.mmap, "mmap", no_map)
+            monkeypatch.setattr(file_io.BOUNCE_POOL, "_idle", [])
         elif refusal == "a link at the path":
             path.rename(tmp_path / "moved")
             path.symlink_to(outside)

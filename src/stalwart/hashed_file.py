@@ -5,8 +5,9 @@
 kernel in ``writev`` calls of up to 16 MiB at explicit offsets, with a
 write-back hint after each batch (``sync_file_range``, Linux); the whole pages
 of a large buffer can go to the disk with ``O_DIRECT`` (``add_direct``:
-straight from a page-aligned buffer, through a reused page-aligned bounce
-buffer from any other), falling back to the page cache where the filesystem
+straight from a page-aligned buffer, consecutive ones in one ``writev`` with
+the framing between them copied into frame pages; through a reused
+page-aligned bounce buffer from any other), falling back to the page cache where the filesystem
 refuses direct I/O. ``sync`` fsyncs on the descriptor that wrote, so a write-back
 error is reported to it; every OSError names the file. ``Task`` runs a
 function in a thread of its own and re-raises its exception in whoever waits.
@@ -15,11 +16,8 @@ function in a thread of its own and re-raises its exception in whoever waits.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import mmap
 import os
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +25,15 @@ from typing import Any
 
 import xxhash
 
+from stalwart.file_io import (
+    BOUNCE_BYTES,
+    BOUNCE_POOL,
+    DIRECT_ALIGN,
+    FRAME_POOL,
+    after,
+    start_write_back,
+    write_at,
+)
 from stalwart.manifest import FileEntry
 from stalwart.workers import Workers
 
@@ -44,38 +51,8 @@ BATCH_BYTES = 16 * 2**20
 """Bytes gathered before one ``writev``: large enough that the syscall cost vanishes."""
 BATCH_BUFFERS = 512
 """Buffers gathered before one ``writev``; Linux accepts at most 1024 (IOV_MAX)."""
-DIRECT_ALIGN = 4096
-"""File offset, memory address and length granularity of a direct write: the
-page size, a multiple of the logical block size of every disk."""
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 """0 where the platform has no direct I/O (then every write is buffered)."""
-_SYNC_FILE_RANGE_WRITE = 2
-"""``SYNC_FILE_RANGE_WRITE`` of <linux/fs.h>: start write-back, wait for nothing."""
-
-
-def _find_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's ``sync_file_range`` (Linux), or None where there is none."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-_SYNC_FILE_RANGE = _find_sync_file_range()
-
-
-def _start_write_back(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing ``length`` bytes at ``offset`` of ``fd`` to the disk now.
-
-    Only a hint that makes the later fsync shorter: a failure here (an
-    unsupported filesystem) is ignored, because the fsync that follows
-    writes whatever is left and reports every write-back error itself.
-    """
-    if _SYNC_FILE_RANGE is not None and length > 0:
-        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 class Task:
@@ -98,41 +75,6 @@ class Task:
 
 _WRITERS = Workers("stalwart-writer", 8)
 """Writer threads of every save of the process (one per file written and its fsync)."""
-
-
-BOUNCE_BYTES = 8 * 2**20
-"""Size of one bounce buffer: large direct writes, and a copy that stays in cache."""
-
-
-class _BouncePool:
-    """Page-aligned buffers for direct writes of unaligned memory, reused across saves.
-
-    Each writing thread leases one for as long as a view takes; at most
-    ``KEEP`` idle ones are kept (mapped once, so their pages are not faulted
-    in again on every save).
-    """
-
-    KEEP = 4
-
-    def __init__(self) -> None:
-        self._idle: list[memoryview] = []
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def lease(self) -> Iterator[memoryview]:
-        with self._lock:
-            buf = self._idle.pop() if self._idle else None
-        if buf is None:
-            buf = memoryview(mmap.mmap(-1, BOUNCE_BYTES))
-        try:
-            yield buf
-        finally:
-            with self._lock:
-                if len(self._idle) < self.KEEP:
-                    self._idle.append(buf)
-
-
-_BOUNCE = _BouncePool()
 
 
 class HashedFile:
@@ -169,6 +111,16 @@ class HashedFile:
         self._last_run_bytes = 0
         self._pending_buffers = 0
         self._pending_bytes = 0
+        self._gather: list[memoryview] = []
+        """Page-aligned pieces for one direct write, consecutive in the file from ``_gather_at``."""
+        self._gather_at = 0
+        self._gather_bytes = 0
+        self._frames: memoryview | None = None
+        self._frame_lease: contextlib.ExitStack | None = None
+        self._frames_used = 0
+        self.framing_bytes = 0
+        """Bytes of record framing sent with direct pieces (counted in ``direct_bytes``
+        once written, unless the filesystem refused direct I/O)."""
 
     @property
     def direct(self) -> bool:
@@ -201,6 +153,7 @@ class HashedFile:
             self._free_slot()
         except OSError:  # no memory map left: the page cache, as without packing
             return False
+        self._flush_gather()
         self.flush()
         self._packing = True
         return True
@@ -241,14 +194,15 @@ class HashedFile:
         filesystem refuses direct I/O, or where no bounce buffer can be mapped,
         and the caller adds it buffered instead.
         A view at a page-aligned address goes to the disk from where it is,
-        before this returns; any other (a live tensor: torch aligns to 64
+        with the views before and after it that are consecutive in the file
+        (``_gather_direct``), by ``finish`` at the latest; any other (a live tensor: torch aligns to 64
         bytes) is copied into page-aligned bounce buffers of ``BOUNCE_BYTES``,
         hashed there, and written by this file's I/O thread while the caller
         goes on (two buffers, so one is filled while the other is written): less
         CPU time than a write into the page cache (a sync save of the 256 MiB
         benchmark state: best 104 ms against 143 ms; a copy is cheaper than
         allocating, filling and accounting page-cache pages).
-        The view must stay unchanged until this returns.
+        The view must stay unchanged until ``finish`` (as ``add``'s buffers).
         """
         n = view.nbytes
         if not self._direct_ok or n == 0 or n % DIRECT_ALIGN or self.size % DIRECT_ALIGN:
@@ -259,7 +213,10 @@ class HashedFile:
         # Queued buffered bytes before it stay queued: every write is positional.
         self._submit_fill()  # packed bytes before it: whole pages, the end being aligned
         offset = self.size
-        if address % DIRECT_ALIGN == 0:
+        if address % DIRECT_ALIGN == 0 and not self._packing:
+            self.hash.update(view)
+            self._gather_direct(view, offset)
+        elif address % DIRECT_ALIGN == 0:
             with self._naming_errors():
                 done = self._write_direct(fd, view, offset)
                 self.hash.update(view)
@@ -282,11 +239,105 @@ class HashedFile:
         self.size += n
         return True
 
+    def _gather_direct(self, view: memoryview, offset: int) -> None:
+        """Queue ``view`` (whole pages, page-aligned in memory, at ``offset``) for one
+        direct write with the pieces before it.
+
+        Pieces are written together while they are consecutive in the file: the
+        framing queued between the last one and this (whole pages, both ends
+        being page-aligned) is copied into frame pages and goes with them. The
+        queue is written once it holds ``BOUNCE_BYTES``, or when the file's
+        bytes stop being consecutive: a 64 MiB state of 1.3 MB tensors goes out
+        in 8 writes instead of 48, with half the CPU time of one write per
+        tensor (O_DIRECT costs per call, not per byte).
+        """
+        end = self._gather_at + self._gather_bytes
+        if self._gather and end != offset:
+            frame = self._frame_between(end, offset)
+            if frame is None:
+                self._flush_gather()
+            else:
+                self._gather.append(frame)
+                self._gather_bytes += frame.nbytes
+        if not self._gather:
+            self._gather_at = offset
+        self._gather.append(view)
+        self._gather_bytes += view.nbytes
+        if self._gather_bytes >= BOUNCE_BYTES or len(self._gather) >= BATCH_BUFFERS:
+            self._flush_gather()
+
+    def _frame_between(self, start: int, end: int) -> memoryview | None:
+        """The queued bytes ``[start, end)`` copied into frame pages (and no longer
+        queued), if one run holds exactly them and they fit; else None."""
+        if not self._runs:
+            return None
+        run_at, run = self._runs[-1]
+        length = end - start
+        if run_at != start or self._last_run_bytes != length:
+            return None
+        if self._frames is None:
+            lease = contextlib.ExitStack()
+            try:
+                self._frames = lease.enter_context(FRAME_POOL.lease())
+            except OSError:  # no memory map left: these bytes go through the page cache
+                return None
+            self._frame_lease = lease
+        if self._frames_used + length > self._frames.nbytes:
+            return None
+        dest = self._frames[self._frames_used : self._frames_used + length]
+        at = 0
+        for buf in run:
+            piece = memoryview(buf).cast("B")
+            dest[at : at + piece.nbytes] = piece
+            at += piece.nbytes
+        self._frames_used += length
+        self._runs.pop()
+        self._pending_buffers -= len(run)
+        self._pending_bytes -= length
+        self._last_run_bytes = 0  # the run before it (if any) does not end at the file's end
+        self.framing_bytes += length
+        return dest
+
+    def _flush_gather(self) -> None:
+        """Write the queued direct pieces in one direct ``writev`` (buffered where the
+        filesystem refuses direct I/O); the frame pages are free again after it."""
+        if not self._gather:
+            return
+        pieces, at, total = self._gather, self._gather_at, self._gather_bytes
+        self._gather, self._gather_bytes = [], 0
+        fd = self._direct_fd
+        with self._naming_errors():
+            done = self._write_direct_many(fd, pieces, at) if fd is not None else 0
+            if done < total:
+                write_at(self.fd, after(pieces, done), at + done)
+        self._direct_done += done
+        self._frames_used = 0
+
+    def _write_direct_many(self, fd: int, pieces: list[memoryview], offset: int) -> int:
+        """``_write_direct`` of consecutive page-aligned ``pieces`` with ``writev``."""
+        done, pending = 0, list(pieces)
+        while pending and self._direct_ok:
+            try:
+                os.lseek(fd, offset + done, os.SEEK_SET)
+                written = os.writev(fd, pending)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct_ok = False  # as in _write_direct: the rest is buffered
+                break
+            if written <= 0:
+                raise OSError(errno.EIO, "direct write wrote nothing")
+            done += written
+            pending = after(pending, written)
+            if pending and done % DIRECT_ALIGN:
+                self._direct_ok = False  # a short write left an unaligned rest
+        return done
+
     def _free_slot(self) -> memoryview:
         """The next bounce buffer, once the write from it (if any) is done."""
         if not self._slots:
             with contextlib.ExitStack() as leases:
-                buffers = [leases.enter_context(_BOUNCE.lease()) for _ in range(2)]
+                buffers = [leases.enter_context(BOUNCE_POOL.lease()) for _ in range(2)]
                 self._leases = leases.pop_all()  # kept until abandon; on error, given back
             self._slots = [(buf, None) for buf in buffers]
             self._io = ThreadPoolExecutor(1, thread_name_prefix="stalwart-direct")
@@ -416,10 +467,11 @@ class HashedFile:
         with self._naming_errors():
             for offset, run in runs:
                 write_at(self.fd, [memoryview(b).cast("B") for b in run], offset)
-        _start_write_back(self.fd, start, self.size - start)
+        start_write_back(self.fd, start, self.size - start)
 
     def finish(self) -> FileEntry:
         """Write what is queued: the file's entry (size, xxh3-128); not yet durable."""
+        self._flush_gather()
         tail = self._submit_fill()
         self._drain()  # first: the file's writes end in one order, whatever the threads did
         if tail is not None:
@@ -438,6 +490,11 @@ class HashedFile:
 
     def abandon(self) -> None:
         """Close without fsync (after a failure, or once synced); idempotent."""
+        self._gather, self._gather_bytes = [], 0  # never written: the file is abandoned
+        self._frames = None
+        if self._frame_lease is not None:
+            self._frame_lease.close()  # the frame pages back to the pool
+            self._frame_lease = None
         with contextlib.suppress(Exception):
             self._drain()  # a failed save's error was raised already
         if self._io is not None:
@@ -459,26 +516,3 @@ class HashedFile:
         except OSError as exc:
             exc.filename = str(self.path)  # writev and fsync errors name no file by themselves
             raise
-
-
-def write_at(fd: int, pending: list[memoryview], offset: int) -> None:
-    """Write ``pending`` at ``offset`` of ``fd``, whatever short writes happen.
-
-    ``lseek`` then ``writev`` rather than ``pwritev``: Python's ``os.pwritev``
-    calls ``pwritev2``, which interposers and tracers of file I/O (the I/O
-    fault shim of the tests among them) may not see. Only the file's own
-    writer thread uses ``fd``, so the seek and the write cannot interleave
-    with another write.
-    """
-    os.lseek(fd, offset, os.SEEK_SET)
-    while pending:
-        written = os.writev(fd, pending)
-        if written == 0 and any(b.nbytes for b in pending):
-            # No progress and no error: retrying would loop forever.
-            raise OSError(errno.EIO, "writev wrote nothing")
-        # A short write (a signal, a filesystem's limit): go on after what it took.
-        while pending and written >= pending[0].nbytes:
-            written -= pending[0].nbytes
-            pending.pop(0)
-        if pending and written:
-            pending[0] = pending[0][written:]

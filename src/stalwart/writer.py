@@ -29,7 +29,10 @@ working; what changes is how the bytes reach the disk:
   into the page cache, which is most of a buffered write's CPU time (64 MiB:
   about 3 ms of CPU instead of 17 ms here). Such a record is placed so that
   its data starts on a page boundary of the file (the record itself stays
-  64-byte aligned). A live tensor's memory (a synchronous save) is not
+  64-byte aligned). Consecutive such records go out in one direct write of up
+  to 8 MiB, the framing pages between them copied along
+  (``HashedFile.add_direct``): O_DIRECT costs CPU per call more than per byte
+  (64 MiB in 1.3 MB writes: 12 ms; in 8 MiB ones: 5 ms). A live tensor's memory (a synchronous save) is not
   page-aligned: from 4 MiB up its data goes direct too, copied through
   reused page-aligned bounce buffers and written by the file's I/O thread
   (``HashedFile.add_direct``). In a save written in the background (async),
