@@ -319,6 +319,37 @@ def test_consecutive_staged_tensors_go_direct_together_with_the_framing_between_
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
+def test_gathered_writes_stop_where_the_file_stops_being_consecutive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attacks on the gathering: more framing between two staged tensors than the
+    frame pages hold (many small records), a live tensor bounced through the I/O
+    thread in between, a batch of buffered records flushed in between, a frame
+    pool of one page, and a tensor of exactly the gather's size. Each breaks the
+    run of consecutive pieces; the file is the same bytes every time."""
+    monkeypatch.setattr(hashed_file, "BATCH_BYTES", 2**20)  # buffered flushes in between
+    monkeypatch.setattr(file_io.FRAME_POOL, "_idle", [])
+    monkeypatch.setattr(file_io.FRAME_POOL, "size", PAGE)  # one page of frames
+    torch.manual_seed(0)
+    live: dict[str, torch.Tensor] = {}
+    for i in range(3):
+        live[f"a{i}"] = torch.randn(300, 1001 + i)  # ~1.1 MiB, staged: page-aligned
+    live |= {f"s{i:03d}": torch.randn(1000 + i) for i in range(120)}  # 480 KB of small ones
+    live["exact"] = torch.randn(hashed_file.BOUNCE_BYTES // 4)  # the gather's size
+    live |= {f"b{i}": torch.randn(257, 1031 + i) for i in range(4)}
+    sd: dict[str, object] = dict(StagingArea().stage(live))
+    sd["bounced"] = torch.randn(1_300_007)  # live, 5.2 MiB: through the bounce buffers
+    sd["after"] = StagingArea().stage({"t": torch.randn(600, 700)})["t"]
+    written = save(sd, tmp_path / "mixed", pack=False)
+    for entry in written:
+        assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "mixed" / entry.path)
+    back = {k: torch.zeros_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        dcp.load(back, storage_reader=FileSystemReader(tmp_path / "mixed"), no_dist=True)
+    assert all(torch.equal(back[k], sd[k]) for k in back)  # type: ignore[arg-type]
+
+
 def test_the_direct_path_runs_for_staged_and_for_live_tensors(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
