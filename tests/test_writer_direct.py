@@ -57,6 +57,17 @@ def save(sd: dict[str, object], path: Path, *, pack: bool = False) -> list:
         writer.close()
 
 
+def assert_reads_back_exactly(path: Path, written: list, tensors: dict[str, torch.Tensor]) -> None:
+    """Every file ``written`` lists matches its size and xxh3, and DCP reads ``tensors`` back."""
+    for entry in written:
+        assert (entry.size, entry.xxh3_128) == hash_file(path / entry.path)
+    back = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        dcp.load(back, storage_reader=FileSystemReader(path), no_dist=True)
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
 def torch_save_bytes(tensor: torch.Tensor) -> bytes:
     buf = io.BytesIO()
     with without_zip_crc():
@@ -228,13 +239,7 @@ def test_a_packed_file_goes_direct_but_for_its_last_partial_page(
     rest = size - size % PAGE - writer_module._PACK_AFTER - largest - 2 * PAGE
     assert rest > 3 * 2**20
     assert (rest <= direct["packed"] < size) if direct_io else direct["packed"] == 0
-    for entry in written:
-        assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "packed" / entry.path)
-    back = {k: torch.zeros_like(v) for k, v in many.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore")
-        dcp.load(back, storage_reader=FileSystemReader(tmp_path / "packed"), no_dist=True)
-    assert all(torch.equal(back[k], v) for k, v in many.items())
+    assert_reads_back_exactly(tmp_path / "packed", written, many)
     # From the first tensor record on, when packing starts at once.
     monkeypatch.setattr(writer_module, "_PACK_AFTER", 0)
     save(dict(many), tmp_path / "all", pack=True)
@@ -310,13 +315,7 @@ def test_consecutive_staged_tensors_go_direct_together_with_the_framing_between_
     else:  # one direct write per tensor, the framing between them buffered
         assert direct["async"] == pages and framing["async"] == 0
         assert len(writes) == len(state), writes
-    for entry in written:
-        assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "async" / entry.path)
-    back = {k: torch.zeros_like(v) for k, v in state.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore")
-        dcp.load(back, storage_reader=FileSystemReader(tmp_path / "async"), no_dist=True)
-    assert all(torch.equal(back[k], v) for k, v in state.items())
+    assert_reads_back_exactly(tmp_path / "async", written, state)
 
 
 def test_gathered_writes_stop_where_the_file_stops_being_consecutive(
@@ -341,13 +340,8 @@ def test_gathered_writes_stop_where_the_file_stops_being_consecutive(
     sd["bounced"] = torch.randn(1_300_007)  # live, 5.2 MiB: through the bounce buffers
     sd["after"] = StagingArea().stage({"t": torch.randn(600, 700)})["t"]
     written = save(sd, tmp_path / "mixed", pack=False)
-    for entry in written:
-        assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "mixed" / entry.path)
-    back = {k: torch.zeros_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore")
-        dcp.load(back, storage_reader=FileSystemReader(tmp_path / "mixed"), no_dist=True)
-    assert all(torch.equal(back[k], sd[k]) for k in back)  # type: ignore[arg-type]
+    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    assert_reads_back_exactly(tmp_path / "mixed", written, tensors)
 
 
 def test_the_direct_path_runs_for_staged_and_for_live_tensors(
