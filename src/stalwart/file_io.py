@@ -125,8 +125,4 @@ def write_at(fd: int, pending: list[memoryview], offset: int) -> None:
             # No progress and no error: retrying would loop forever.
             raise OSError(errno.EIO, "writev wrote nothing")
         # A short write (a signal, a filesystem's limit): go on after what it took.
-        while pending and written >= pending[0].nbytes:
-            written -= pending[0].nbytes
-            pending.pop(0)
-        if pending and written:
-            pending[0] = pending[0][written:]
+        pending = after(pending, written)

@@ -7,8 +7,8 @@ write-back hint after each batch (``sync_file_range``, Linux); the whole pages
 of a large buffer can go to the disk with ``O_DIRECT`` (``add_direct``:
 straight from a page-aligned buffer, consecutive ones in one ``writev`` with
 the framing between them copied into frame pages; through a reused
-page-aligned bounce buffer from any other), falling back to the page cache where the filesystem
-refuses direct I/O. ``sync`` fsyncs on the descriptor that wrote, so a write-back
+page-aligned bounce buffer from any other), falling back to the page cache
+where the filesystem refuses direct I/O. ``sync`` fsyncs on the descriptor that wrote, so a write-back
 error is reported to it; every OSError names the file. ``Task`` runs a
 function in a thread of its own and re-raises its exception in whoever waits.
 """
@@ -195,8 +195,8 @@ class HashedFile:
         and the caller adds it buffered instead.
         A view at a page-aligned address goes to the disk from where it is,
         with the views before and after it that are consecutive in the file
-        (``_gather_direct``), by ``finish`` at the latest; any other (a live tensor: torch aligns to 64
-        bytes) is copied into page-aligned bounce buffers of ``BOUNCE_BYTES``,
+        (``_gather_direct``), by ``finish`` at the latest; any other (a live
+        tensor: torch aligns to 64 bytes) is copied into page-aligned bounce buffers of ``BOUNCE_BYTES``,
         hashed there, and written by this file's I/O thread while the caller
         goes on (two buffers, so one is filled while the other is written): less
         CPU time than a write into the page cache (a sync save of the 256 MiB
@@ -213,10 +213,11 @@ class HashedFile:
         # Queued buffered bytes before it stay queued: every write is positional.
         self._submit_fill()  # packed bytes before it: whole pages, the end being aligned
         offset = self.size
-        if address % DIRECT_ALIGN == 0 and not self._packing:
+        aligned = address % DIRECT_ALIGN == 0
+        if aligned and not self._packing:
             self.hash.update(view)
             self._gather_direct(view, offset)
-        elif address % DIRECT_ALIGN == 0:
+        elif aligned:
             with self._naming_errors():
                 done = self._write_direct(fd, view, offset)
                 self.hash.update(view)
@@ -247,9 +248,10 @@ class HashedFile:
         framing queued between the last one and this (whole pages, both ends
         being page-aligned) is copied into frame pages and goes with them. The
         queue is written once it holds ``BOUNCE_BYTES``, or when the file's
-        bytes stop being consecutive: a 64 MiB state of 1.3 MB tensors goes out
-        in 8 writes instead of 48, with half the CPU time of one write per
-        tensor (O_DIRECT costs per call, not per byte).
+        bytes stop being consecutive: a file of 1.3 MB staged tensors goes out
+        in one write per 8 MiB instead of one per tensor (O_DIRECT costs CPU
+        per call: 64 MiB in 1.3 MB writes took 11.5-14.3 ms of CPU here, in
+        8 MiB ones 4.4-6.3 ms).
         """
         end = self._gather_at + self._gather_bytes
         if self._gather and end != offset:
