@@ -13,8 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from stalwart import hashed_file
+from stalwart import hashed_file, records
 from stalwart import writer as writer_module
 from stalwart.manifest import hash_file
 from stalwart.writer import (
@@ -201,7 +203,7 @@ def test_a_data_write_torch_does_not_make_in_one_piece_falls_back_to_torch_save(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # As if torch wrote the tensor's data in pieces (or from a copy): no framing can be cut.
-    monkeypatch.setattr(writer_module, "_address_of", lambda view: -1)
+    monkeypatch.setattr(records, "_address_of", lambda view: -1)
     templates = RecordTemplates()
     tensor = torch.randn(9, 3)
     with without_zip_crc():
@@ -279,7 +281,7 @@ def test_a_tensor_changed_after_it_was_hashed_is_caught_by_the_checksum(
     "dtype",
     # numpy's dtypes (the shortcut) and some it lacks (the general path).
     [
-        *sorted(writer_module._NUMPY_DTYPES, key=str),
+        *sorted(records._NUMPY_DTYPES, key=str),
         *(torch.bfloat16, torch.complex64, torch.float8_e4m3fn),
     ],
 )
@@ -289,9 +291,53 @@ def test_a_tensors_bytes_are_its_memory_whatever_its_dtype_and_shape(
 ) -> None:
     """``_data_view`` takes numpy's shortcut where numpy knows the dtype: the same
     bytes, as one flat run of unsigned bytes, as the general path's."""
-    from stalwart.writer import _data_view
+    from stalwart.records import _data_view
 
     t = (torch.arange(max(1, math.prod(shape))).reshape(shape) * 37 % 11).to(dtype)
     view = _data_view(t)
     assert view.format == "B" and view.ndim == 1
     assert bytes(view) == t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+class CountingPlanner:
+    """Resolves each item to its value by name, counting the calls."""
+
+    def __init__(self, values: dict[str, object]) -> None:
+        self.values = values
+        self.resolved = 0
+
+    def resolve_data(self, item: WriteItem) -> object:
+        self.resolved += 1
+        return self.values[item.index.fqn]
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["own-storage", "views"])
+def test_records_are_prepared_ahead_of_their_writes_copies_only_so_far(
+    monkeypatch: pytest.MonkeyPatch, views: bool
+) -> None:
+    """Every record is prepared before the first is written, unless preparing makes
+    copies (a view's own bytes here, a GPU tensor's on the host): then at most
+    ``_PREPARE_COPIES`` bytes of them ahead. Byte items come first, as DCP writes."""
+    base = torch.arange(8 * 256, dtype=torch.float32)
+    values: dict[str, object] = {
+        f"t{i}": base[i * 256 : (i + 1) * 256] if views else base[i * 256 : (i + 1) * 256].clone()
+        for i in range(8)
+    }
+    values["extra"] = io.BytesIO(b"pickled bytes")
+    items = [WriteItem(index=MetadataIndex(name), type=WriteItemType.TENSOR) for name in values]
+    items[-1] = WriteItem(index=MetadataIndex("extra"), type=WriteItemType.BYTE_IO)
+    monkeypatch.setattr(writer_module, "_PREPARE_COPIES", 2 * 1024)  # two of the 1 KiB copies
+    planner = CountingPlanner(values)
+    with without_zip_crc():
+        prepared = writer_module._prepared(items, planner, RecordTemplates())  # type: ignore[arg-type]
+        first = next(prepared)
+        assert planner.resolved == (3 if views else 9)  # the byte item, then the tensors
+        got = [first, *prepared]
+        assert [item.index.fqn for item, _, _ in got] == ["extra", *(f"t{i}" for i in range(8))]
+        assert got[0][1] is None and bytes(got[0][2][0]) == b"pickled bytes"
+        for item, tensor, buffers in got[1:]:
+            value = values[item.index.fqn]
+            assert isinstance(value, torch.Tensor) and isinstance(tensor, torch.Tensor)
+            assert (tensor.data_ptr() == value.data_ptr()) is not views  # a view: its own copy
+            record = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+            assert record == torch_save_bytes(value.clone())

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 import stalwart
-from stalwart import file_io, hashed_file
+from stalwart import file_io, hashed_file, records
 from stalwart import writer as writer_module
 from stalwart.manifest import hash_file
 from stalwart.safe_load import read_dcp_metadata
@@ -126,7 +126,7 @@ def test_a_file_swapped_at_the_path_never_gets_the_direct_writes(
         else:
             path.write_bytes(b"decoy")
         t = staged_tensor() if memory == "page-aligned" else unaligned_tensor()
-        view = writer_module._data_view(t)
+        view = records._data_view(t)
         assert out.add_direct(view, t.data_ptr()) in (True, False)
         if out.size == 0:  # not taken: the caller adds it buffered
             out.add([view])
@@ -396,13 +396,11 @@ def test_a_bounced_view_is_written_and_hashed_as_it_was_when_handed_over(tmp_pat
     """The I/O thread writes from the bounce buffers, not from the caller's memory:
     changing the memory after add_direct returned changes nothing in the file."""
     t = unaligned_tensor()
-    want = bytes(writer_module._data_view(t))
+    want = bytes(records._data_view(t))
     out = hashed_file.HashedFile(tmp_path / "f")
     try:
         out.add([b"x" * PAGE])  # a buffered page first: positional writes of both kinds
-        assert out.add_direct(writer_module._data_view(t), t.data_ptr()) == takes_direct_io(
-            tmp_path
-        )
+        assert out.add_direct(records._data_view(t), t.data_ptr()) == takes_direct_io(tmp_path)
         if out.size == PAGE:  # not taken (no direct I/O here): buffered, from a copy
             out.add([want])
         t.zero_()  # the caller reuses its memory at once
@@ -427,7 +425,7 @@ def test_no_memory_map_for_a_bounce_buffer_means_a_buffered_write(
     monkeypatch.setattr(file_io.mmap, "mmap", no_map)
     monkeypatch.setattr(file_io.BOUNCE_POOL, "_idle", [])
     t = unaligned_tensor()
-    view = writer_module._data_view(t)
+    view = records._data_view(t)
     out = hashed_file.HashedFile(tmp_path / "f")
     try:
         taken = out.add_direct(view, t.data_ptr())
@@ -465,7 +463,7 @@ def test_packing_many_buffers_across_bounce_buffers_gives_their_concatenation(
             if n == 5:  # pad to a page, then page-aligned memory, direct as it is
                 pad = -out.size % PAGE
                 out.add([bytes(pad)])
-                data = writer_module._data_view(aligned)
+                data = records._data_view(aligned)
                 assert out.add_direct(data, aligned.data_ptr()) == takes_direct_io(tmp_path)
                 if out.size == len(want) + pad:
                     out.add([data])
