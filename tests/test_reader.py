@@ -8,6 +8,7 @@ item of it is deserialized.
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import os
 from pathlib import Path
@@ -186,3 +187,66 @@ def test_garbage_is_not_decoded() -> None:
     start = bytes(bent).index(b"FloatStorage")
     bent[start : start + 5] = b"Doubl"  # the pickle no longer matches byte for byte
     assert decode_tensor(memoryview(bent), torch.float32, (3, 4)) is None
+
+
+# ------------------------------------------------------------------ checks begun, not waited for
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs Linux's /proc/self/fd")
+def test_a_check_begun_and_never_waited_for_is_let_go_by_close(tmp_path: Path) -> None:
+    ckpt, _ = saved(tmp_path / "run", width=512)
+    before = open_fds()
+    files, metadata = verified_checkpoint(ckpt, wait=False)
+    assert metadata.state_dict_metadata
+    concurrent.futures.wait(list(files._pending.values()))  # checked, each file open
+    assert len(open_fds() - before) == len(files._pending) > 0
+    files.close()
+    assert open_fds() == before  # every checked file's descriptor closed, none leaked
+
+
+def test_a_read_waits_for_the_check_begun_of_its_file_and_checks_it_once(tmp_path: Path) -> None:
+    ckpt, want = saved(tmp_path / "run")
+    files, metadata = verified_checkpoint(ckpt, wait=False)
+    try:
+        parts = make_parts(hidden=64)
+        plan = parts.state.plan_restore(metadata, strict=True)
+        staged = plan.staged()
+        safe_load(
+            staged,
+            ckpt,
+            metadata=metadata,
+            reader=VerifiedFileReader(ckpt, files=files, metadata=metadata),
+        )
+        plan.check(staged)
+        in_place = plan.in_place()
+        safe_load(
+            in_place,
+            ckpt,
+            metadata=metadata,
+            reader=VerifiedFileReader(ckpt, files=files, metadata=metadata),
+        )
+        plan.apply({**staged, **in_place})
+    finally:
+        files.close()
+    data_files = {e.path for e in files.manifest.files if e.path.endswith(".distcp")}
+    assert data_files and all(files.reads[name] == 1 for name in data_files), files.reads
+    assert_same(want["model"], dict(parts.model.state_dict()))
+
+
+def test_a_damaged_file_found_by_a_check_begun_earlier_is_raised_by_the_wait(
+    tmp_path: Path,
+) -> None:
+    ckpt, _ = saved(tmp_path / "run")
+    data = next(ckpt.glob("*.distcp"))
+    flip_byte(data, data.stat().st_size // 2)
+    files, _metadata = verified_checkpoint(ckpt, wait=False)  # the metadata files are intact
+    try:
+        with pytest.raises(stalwart.CheckpointCorruptError, match="checksum mismatch"):
+            files.wait_streamed()
+        assert files.streamed(data.name) is None
+    finally:
+        files.close()

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,12 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 import stalwart
+from stalwart import reader
 from stalwart.pipeline import load_checkpoint
 from stalwart.restore_protocol import Restorable, RestorePlan
 from stalwart.safe_load import read_dcp_metadata
 
-from .conftest import assert_same, make_parts, train_steps
+from .conftest import assert_same, flip_byte, make_parts, train_steps
 
 
 def saved_checkpoint(run: Path, **parts_kwargs: Any) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -192,3 +194,75 @@ def test_a_check_failing_on_another_rank_leaves_a_fresh_optimizer_empty(tmp_path
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in (0, 1):
         assert f"rank {rank} mismatch optimizer_state=0 kept=True" in proc.stdout, proc.stdout
+
+
+class Preparing(Weights):
+    """A Restorable whose plan has the optional ``prepare`` step."""
+
+    def __init__(self, expected: set[str], *, fail: bool = False) -> None:
+        super().__init__(expected)
+        self.fail = fail
+        self.prepared = threading.Event()
+
+    def plan_restore(self, metadata: Metadata, *, strict: bool) -> WeightsPlan:
+        self.calls.append("plan_restore")
+        plan = WeightsPlan(self, metadata)
+
+        def prepare() -> None:
+            self.calls.append("prepare")
+            self.prepared.set()
+            if self.fail:
+                raise stalwart.StateMismatchError("prepare found a mismatch")
+
+        plan.prepare = prepare  # type: ignore[attr-defined]
+        return plan
+
+
+def test_a_plans_prepare_runs_while_the_data_files_are_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each data file's check waits here until ``prepare`` ran: a pipeline that
+    waited for the checks before ``prepare`` would see every wait time out."""
+    ckpt, weights = saved_checkpoint(tmp_path / "run")
+    target = Preparing(set(weights))
+    waited: list[bool] = []
+    real = reader.stream_check
+
+    def check_after_prepare(*args: Any, **kwargs: Any) -> Any:
+        waited.append(target.prepared.wait(timeout=5))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reader, "stream_check", check_after_prepare)
+    load_checkpoint(ckpt, target)
+    assert waited and all(waited), waited
+    assert target.calls == ["plan_restore", "prepare", "staged", "check", "in_place", "apply"]
+    assert_same(target.tensors, weights)
+
+
+def test_a_damaged_data_file_is_reported_before_what_prepare_raised(tmp_path: Path) -> None:
+    ckpt, weights = saved_checkpoint(tmp_path / "run")
+    intact = Preparing(set(weights), fail=True)
+    with pytest.raises(stalwart.StateMismatchError, match="prepare found"):
+        load_checkpoint(ckpt, intact)
+    assert intact.calls == ["plan_restore", "prepare", "discard"]
+    data = next(ckpt.glob("*.distcp"))
+    flip_byte(data, data.stat().st_size // 2)
+    damaged = Preparing(set(weights), fail=True)
+    with pytest.raises(stalwart.CheckpointCorruptError, match=data.name):
+        load_checkpoint(ckpt, damaged)
+    assert damaged.calls == ["plan_restore", "prepare", "discard"]
+    assert damaged.tensors == {}
+
+
+def test_a_fresh_optimizer_given_state_by_prepare_is_emptied_when_a_data_file_is_damaged(
+    tmp_path: Path,
+) -> None:
+    ckpt, _ = saved_checkpoint(tmp_path / "run")
+    data = next(ckpt.glob("*.distcp"))
+    flip_byte(data, data.stat().st_size // 2)
+    parts = make_parts()
+    before = {k: v.clone() for k, v in parts.model.state_dict().items()}
+    with pytest.raises(stalwart.CheckpointCorruptError, match=data.name):
+        load_checkpoint(ckpt, parts.state)
+    assert not parts.optimizer.state
+    assert_same(before, dict(parts.model.state_dict()))

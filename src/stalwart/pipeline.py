@@ -419,9 +419,11 @@ def _load_checkpoint(
     coord = coordinator if coordinator is not None else Coordinator(None, timeout=0.0, name="local")
 
     # Each file is read once: checked in memory here (or when first needed),
-    # then DCP reads from those bytes (stalwart.reader).
+    # then DCP reads from those bytes (stalwart.reader). The data files are
+    # still being checked when this returns: see gate() below.
     files, metadata = _agree(
-        coord, lambda: verified_checkpoint(path, part=(coord.rank, coord.world_size))
+        coord,
+        lambda: verified_checkpoint(path, part=(coord.rank, coord.world_size), wait=False),
     )
     manifest = files.manifest
     group = coord.group if coord.distributed else None
@@ -436,8 +438,31 @@ def _load_checkpoint(
                 ),
             )
 
-    plan = state.plan_restore(metadata, strict=strict)
+    def gate() -> None:
+        # The plan's work that needs only the metadata runs while the data files
+        # are checked (hashing and reading release the GIL). A damaged file is
+        # still the reason given first, before anything the plan found. Measured
+        # on a restart's restore (a fresh model and optimizer, whose state the
+        # plan builds from the metadata), cold, alternating with the checks
+        # waited for first: 64 MiB best 103 ms against 116, median 130 against
+        # 138 (30 pairs); 256 MiB best 220 against 249, median 284 against 302
+        # (12 pairs). Into live objects (little to build) no difference beyond noise.
+        prepare = getattr(plan, "prepare", None)
+        try:
+            if prepare is not None:
+                prepare()
+        except BaseException:
+            files.wait_streamed()
+            raise
+        files.wait_streamed()
+
     try:
+        plan = state.plan_restore(metadata, strict=strict)
+    except BaseException:
+        files.close()
+        raise
+    try:
+        _agree(coord, gate)
         staged = plan.staged()
         read(staged)
         _agree(coord, lambda: plan.check(staged))

@@ -146,6 +146,8 @@ class VerifiedFiles:
         self._entries = {entry.path: entry for entry in manifest.files}
         self._held: dict[str, _Held] = {}
         self._streamed: dict[str, StreamedFile] = {}
+        self._pending: dict[str, concurrent.futures.Future[Any]] = {}
+        """Streaming checks begun (``start_stream``) that nobody waited for yet."""
         self._spans: dict[str, list[Span]] = {}
         self._lock = threading.Lock()
         self.reads: collections.Counter[str] = collections.Counter()
@@ -175,14 +177,34 @@ class VerifiedFiles:
 
     def stream(self, names: Iterable[str]) -> None:
         """Check each of ``names`` neither held nor streamed yet by streaming it; as
-        ``verify`` otherwise (the same errors)."""
+        ``verify`` otherwise (the same errors). Waits for the checks ``start_stream``
+        began of any of ``names``."""
+        names = list(dict.fromkeys(names))
+        self.start_stream(names)
+        with self._lock:
+            todo = [(name, self._pending.pop(name)) for name in names if name in self._pending]
+        self._collect(todo, self._streamed)
+
+    def start_stream(self, names: Iterable[str]) -> None:
+        """Begin streaming each of ``names`` not held, streamed or begun yet, without
+        waiting: ``stream`` (or ``wait_streamed``) waits and raises what it found;
+        ``close`` stops and lets go of checks nobody waited for."""
         with self._lock:
             todo = [
                 name
                 for name in dict.fromkeys(names)
-                if name not in self._held and name not in self._streamed
+                if name not in self._held
+                and name not in self._streamed
+                and name not in self._pending
             ]
-        self._check(todo, self._stream, self._streamed)
+            for name in todo:
+                self._pending[name] = _CHECKERS.submit(self._stream, name)
+
+    def wait_streamed(self) -> None:
+        """Wait for every check ``start_stream`` began; as ``stream``."""
+        with self._lock:
+            names = list(self._pending)
+        self.stream(names)
 
     def streamed(self, name: str) -> StreamedFile | None:
         """The streamed, checked file ``name``; None if it was held instead."""
@@ -190,28 +212,22 @@ class VerifiedFiles:
             return self._streamed.get(name)
 
     def _check(self, todo: list[str], check: Callable[[str], Any], into: dict[str, Any]) -> None:
-        if not todo:
-            return
-        pending = [_CHECKERS.submit(check, name) for name in todo]
+        if todo:
+            self._collect([(name, _CHECKERS.submit(check, name)) for name in todo], into)
+
+    def _collect(
+        self, todo: list[tuple[str, concurrent.futures.Future[Any]]], into: dict[str, Any]
+    ) -> None:
+        """Take each check's result into ``into``, in order; raise for the first bad file."""
         try:
-            for name, future in zip(todo, pending, strict=True):
+            for name, future in todo:
                 result = future.result()
                 if isinstance(result, FileProblem):
                     raise result.error(self.directory)
                 with self._lock:
                     into[name] = result
         finally:
-            # Files not started yet are not read at all (as in file_problems); the
-            # rest are waited for, and a checked file nobody took (another one was
-            # bad) is closed.
-            for future in pending:
-                future.cancel()
-            concurrent.futures.wait(pending)
-            for future in pending:
-                if not future.cancelled() and future.exception() is None:
-                    result = future.result()
-                    if isinstance(result, StreamedFile) and result not in into.values():
-                        result.close()
+            _let_go([future for _name, future in todo], into)
 
     def _stream(self, name: str) -> StreamedFile | FileProblem:
         entry = self._entries.get(name)
@@ -268,6 +284,8 @@ class VerifiedFiles:
         with self._lock:
             self._held.clear()
             streamed, self._streamed = list(self._streamed.values()), {}
+            pending, self._pending = list(self._pending.values()), {}
+        _let_go(pending, {})
         for checked in streamed:
             checked.close()
 
@@ -302,8 +320,22 @@ class VerifiedFiles:
         return held if problem is None else problem
 
 
+def _let_go(pending: list[concurrent.futures.Future[Any]], taken: dict[str, Any]) -> None:
+    """Stop the checks not started yet and wait for the rest (as ``file_problems``
+    does, files not started are not read at all); close each checked file not
+    in ``taken`` (another file was bad, or nobody waited for it)."""
+    for future in pending:
+        future.cancel()
+    concurrent.futures.wait(pending)
+    for future in pending:
+        if not future.cancelled() and future.exception() is None:
+            result = future.result()
+            if isinstance(result, StreamedFile) and result not in taken.values():
+                result.close()
+
+
 def verified_checkpoint(
-    path: Path, *, part: tuple[int, int] = (0, 1)
+    path: Path, *, part: tuple[int, int] = (0, 1), wait: bool = True
 ) -> tuple[VerifiedFiles, Metadata]:
     """A restore's gate: the manifest (``read_manifest``), the size of every file, the
     DCP metadata, unpickled by the restricted unpickler from the very bytes
@@ -316,7 +348,11 @@ def verified_checkpoint(
     load needs from another share is checked when it is needed
     (``VerifiedFileReader``). Raises what ``verify_checkpoint`` and
     ``read_dcp_metadata`` raise; a damaged file before anything the metadata
-    says. Close the files returned.
+    says. ``wait=False`` returns while the data files are still being checked
+    (``VerifiedFiles.start_stream``), so that work needing only the metadata
+    runs meanwhile; ``files.wait_streamed()`` then raises what the checks
+    found, and every read waits for the checks of its files. Close the files
+    returned.
     """
     manifest = read_manifest(path)
     problems = file_problems(path, manifest, checksums=False, first_only=True)
@@ -338,7 +374,10 @@ def verified_checkpoint(
             files.stream(share)
             raise
         files.keep(metadata)
-        files.stream(share)
+        if wait:
+            files.stream(share)
+        else:
+            files.start_stream(share)
     except BaseException:
         files.close()
         raise

@@ -8,12 +8,18 @@ implements ``Restorable``: asked once per restore, it returns a
 every rank, each agreed across ranks (a failure on one rank fails all)::
 
     plan = state.plan_restore(metadata, strict=strict)
+    plan.prepare()                    # optional: runs while the data files are checked
     staged = plan.staged()            # fresh placeholders, read before the check
     plan.check(staged)                # StateMismatchError: nothing live changed
     in_place = plan.in_place()        # live tensors, read into after the check
     plan.apply({**staged, **in_place})
 
-or ``plan.discard()`` when the restore stops before ``apply``. This protocol
+or ``plan.discard()`` when the restore stops before ``apply``. ``prepare``
+is optional (a plan without it is driven the same way): work that needs only
+the metadata, such as computing the live state dicts, done while the data
+files' checksums are still being computed; it may change live objects only
+in ways ``discard`` undoes, and a damaged file is reported before anything it
+raises. This protocol
 is the whole of that surface: a plan holds what it computed from the live
 objects (a state dict, for which a fresh optimizer is given its state from the
 checkpoint's metadata, ``stalwart.state.optim_state``) and reuses it from

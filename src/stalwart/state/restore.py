@@ -63,6 +63,12 @@ class TrainStatePlan:
         # step), undone by discard.
         self._fresh = [opt for opt in state.optimizers if not opt.state]
 
+    def prepare(self) -> None:
+        """Compute the live module and optimizer state dicts (the check's view and the
+        in-place targets) while the data files are still being checked: a fresh
+        optimizer gets its state from the metadata here, undone by ``discard``."""
+        self._live_native()
+
     def staged(self) -> dict[str, Any]:
         """Placeholders for every non-module, non-optimizer entry of the checkpoint.
 
