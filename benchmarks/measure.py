@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import train_stats  # benchmarks/ is on the path, as for measure itself
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -875,9 +876,9 @@ def job_train(
     workdir: str,
 ) -> dict[str, Any]:
     """Wall time of ``segment_steps`` training steps with a checkpoint every ``every`` steps,
-    over the same number of steps without. Segments alternate (without, with, without, ...)
-    and the medians are compared, so drift and a neighbour's burst on a shared host hit
-    both sides alike."""
+    over the same number of steps without. Segments alternate (without, with, without, ...),
+    and each pair's ratio is taken (``train_stats.train_summary``), so drift and a
+    neighbour's burst on a shared host hit both sides alike."""
     # Intra-op threads are set by the runner (--threads, default 1). With every core in
     # torch's pool, a background writer preempts a pool thread and the whole parallel
     # region waits for it; a GPU trainer's host has spare cores instead.
@@ -1034,30 +1035,21 @@ def job_train(
     finally:
         close()
         shutil.rmtree(root, ignore_errors=True)
-    base, ckpt = median(base_times), median(ckpt_times)
-    return {
-        "bytes": state_nbytes(model, opt),
-        "threads": threads,
-        "batch": batch,
-        "step_s": base / segment_steps,
-        "every": every,
-        "segment_steps": segment_steps,
-        "rounds": rounds,
-        "saves": saves,
-        "base_segments_s": base_times,
-        "ckpt_segments_s": ckpt_times,
-        "blocked_segments_s": blocked_times,
-        "save_call_s": median(save_calls),
-        "save_call_max_s": max(save_calls, default=math.nan),
-        "logged_stall_s": median(logged_stalls),
-        "base_s": base,
-        "ckpt_s": ckpt,
-        "overhead": ckpt / base - 1,
-        # The overhead splits into time the loop sat inside save() (or waited for a
-        # save at a segment's end) and steps that ran slower beside a background save.
-        "blocked_share": median(blocked_times) / base,
-        "background_share": (ckpt - median(blocked_times)) / base - 1,
-    }
+    return train_stats.train_summary(
+        {
+            "bytes": state_nbytes(model, opt),
+            "threads": threads,
+            "batch": batch,
+            "every": every,
+            "segment_steps": segment_steps,
+            "saves": saves,
+            "base_segments_s": base_times,
+            "ckpt_segments_s": ckpt_times,
+            "blocked_segments_s": blocked_times,
+            "save_calls_s": save_calls,
+            "logged_stalls_s": logged_stalls,
+        }
+    )
 
 
 def _per_call(fn: Callable[[], object], calls: int, rounds: int) -> float:

@@ -40,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import report  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import train_stats  # noqa: E402
 
 # The parent never imports torch (the job processes do, once, in the forkserver):
 # method names are listed here and checked against measure.py by the job itself.
@@ -104,7 +105,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="checkpoints per timed segment of the training loop (default 4; quick: 3)",
     )
     p.add_argument(
-        "--rounds", type=int, help="pairs of without/with segments (default 4; quick: 2)"
+        "--rounds",
+        type=int,
+        help="pairs of without/with segments per process (default 4; quick: 2)",
+    )
+    p.add_argument(
+        "--passes",
+        type=int,
+        help="processes per training-loop variant, at different times of the run, their "
+        "pairs pooled (default 2; quick: 1)",
     )
     p.add_argument(
         "--threads",
@@ -138,11 +147,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.every = args.every or ([5] if args.quick else [5, 20])
     args.segment_saves = args.segment_saves or (3 if args.quick else 4)
     args.rounds = args.rounds or (2 if args.quick else 4)
+    args.passes = args.passes or (1 if args.quick else 2)
     args.name = args.name or ("quick" if args.quick else "full")
     args.timeout = args.timeout or (60.0 if args.quick else 600.0)
     args.durable_timeout = args.durable_timeout or (180.0 if args.quick else 1200.0)
-    if min(args.repeats, args.rounds, args.segment_saves, *args.every) < 1:
-        p.error("--repeats, --every, --segment-saves and --rounds must be at least 1")
+    if min(args.repeats, args.rounds, args.passes, args.segment_saves, *args.every) < 1:
+        p.error("--repeats, --every, --segment-saves, --rounds and --passes must be at least 1")
     return args
 
 
@@ -296,18 +306,34 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             runs = []
+            variants = TRAIN_VARIANTS + (() if args.quick else TRAIN_REFERENCES)
             for every in args.every:
-                for variant in TRAIN_VARIANTS + (() if args.quick else TRAIN_REFERENCES):
-                    run = runner.run(
-                        "train",
-                        f"{variant}, checkpoint every {every} steps",
-                        variant=variant,
-                        state_bytes=args.train_size,
-                        every=every,
-                        segment_steps=args.segment_saves * every,
-                        rounds=args.rounds,
+                # Each variant runs in --passes processes, the variants in turn and
+                # in reverse order on the next pass: a host that changes over the
+                # run weighs on every variant alike. Their samples are pooled.
+                done: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+                for n in range(args.passes):
+                    for variant in variants if n % 2 == 0 else variants[::-1]:
+                        done[variant].append(
+                            runner.run(
+                                "train",
+                                f"{variant}, checkpoint every {every} steps "
+                                f"(pass {n + 1} of {args.passes})",
+                                variant=variant,
+                                state_bytes=args.train_size,
+                                every=every,
+                                segment_steps=args.segment_saves * every,
+                                rounds=args.rounds,
+                            )
+                        )
+                for variant in variants:
+                    runs.append(
+                        {
+                            "variant": variant,
+                            "every": every,
+                            **train_stats.pooled_train_runs(done[variant]),
+                        }
                     )
-                    runs.append({"variant": variant, "every": every, **run})
             results["training"] = {
                 "requested_bytes": args.train_size,
                 "threads": args.threads,

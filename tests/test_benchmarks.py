@@ -293,3 +293,46 @@ def test_the_restore_target_holds_only_when_every_case_does(
     assert row["value"] == pytest.approx(min(0.1 / 0.11, 0.05 / fresh_warm))
     memory = rows["restore's peak extra memory <= one checkpoint's size"]
     assert memory["status"] == "MISS" and memory["value"] == pytest.approx(70 / 64), memory
+
+
+def bench_train_stats() -> Any:
+    """benchmarks/train_stats.py, loaded as a module."""
+    path = ROOT / "benchmarks" / "train_stats.py"
+    spec = importlib.util.spec_from_file_location("bench_train_stats", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train_samples(base: list[float], ckpt: list[float], saves: int = 4) -> dict[str, Any]:
+    return {
+        "every": 5,
+        "segment_steps": 20,
+        "saves": saves,
+        "base_segments_s": base,
+        "ckpt_segments_s": ckpt,
+        "blocked_segments_s": [b * 0.05 for b in base],
+        "save_calls_s": [0.01] * saves,
+        "logged_stalls_s": [0.009] * saves,
+    }
+
+
+def test_the_training_overhead_is_the_median_of_back_to_back_pairs() -> None:
+    """A host that slows down for one pair moves that pair's two segments alike: the
+    pairs' ratios stay 1.1 where the ratio of the medians would read 3.3."""
+    summary = bench_train_stats().train_summary(train_samples([1.0, 1.0, 3.0], [1.1, 3.3, 3.3]))
+    assert summary["overhead"] == pytest.approx(0.1)
+    assert summary["blocked_share"] == pytest.approx(0.05)
+    assert summary["background_share"] == pytest.approx(0.05)
+    assert summary["rounds"] == 3 and summary["step_s"] == pytest.approx(1.0 / 20)
+
+
+def test_a_variants_processes_are_pooled_and_a_failed_one_left_out() -> None:
+    stats = bench_train_stats()
+    first = stats.train_summary(train_samples([1.0, 1.0], [1.2, 1.2]))
+    second = stats.train_summary(train_samples([2.0, 2.0], [2.2, 2.2], saves=3))
+    pooled = stats.pooled_train_runs([first, {"error": "timed out"}, second])
+    assert pooled["rounds"] == 4 and pooled["processes"] == 2 and pooled["saves"] == 7
+    assert pooled["overhead"] == pytest.approx((1.2 + 1.1) / 2 - 1)  # the median of four pairs
+    assert stats.pooled_train_runs([{"error": "a"}, {"error": "b"}]) == {"error": "a"}
