@@ -442,11 +442,10 @@ def _load_checkpoint(
         # The plan's work that needs only the metadata runs while the data files
         # are checked (hashing and reading release the GIL). A damaged file is
         # still the reason given first, before anything the plan found. Measured
-        # on a restart's restore (a fresh model and optimizer, whose state the
-        # plan builds from the metadata), cold, alternating with the checks
-        # waited for first: 64 MiB best 103 ms against 116, median 130 against
-        # 138 (30 pairs); 256 MiB best 220 against 249, median 284 against 302
-        # (12 pairs). Into live objects (little to build) no difference beyond noise.
+        # alternately against waiting for the checks first (median of the pairs'
+        # time ratios): a restart's restore of 256 MiB (a fresh model and
+        # optimizer, whose state the plan builds from the metadata) 0.85 cold
+        # (16 pairs), 0.98 warm; into live objects and at 64 MiB 0.97-1.01.
         prepare = getattr(plan, "prepare", None)
         try:
             if prepare is not None:
