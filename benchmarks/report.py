@@ -40,6 +40,10 @@ TARGET_WRITER_CPU_X_RAW = 1.5
 TARGET_TRAIN_X_FLOOR = 2.0
 """Training overhead of async saves over the overhead of the physical floor (memcpy + raw write thread)."""
 TRAIN_REGIME_TORCH_SAVE = 0.30
+TRAIN_FLOOR_EVERY = 5
+"""The checkpoint interval (steps) the goal against the physical floor is stated for; the
+rows of other intervals are shown, not judged (at every 20 steps the floor's overhead is a
+few percent, within the loop's noise, and a ratio to it says nothing)."""
 
 
 def _ok(m: dict[str, Any] | None) -> bool:
@@ -277,17 +281,24 @@ def analyze(results: dict[str, Any]) -> None:
             # A floor at or below zero overhead (within noise) gives no ratio: the row
             # stays, unjudged, rather than vanishing from the report.
             x = ta["overhead"] / floor if floor > 0 else math.nan
+            judged = math.isfinite(x) and every == TRAIN_FLOOR_EVERY
             targets.append(
                 _target(
                     "training overhead, async every few steps <= 2x the physical floor's",
                     f"{_size_of(ta['bytes'])}, every {every}",
                     x,
                     f"<= {TARGET_TRAIN_X_FLOOR:.0f}x",
-                    x <= TARGET_TRAIN_X_FLOOR if math.isfinite(x) else None,
+                    x <= TARGET_TRAIN_X_FLOOR if judged else None,
                     f"stalwart async {ta['overhead']:+.1%} vs floor (memcpy + raw write thread) "
                     f"{tf['overhead']:+.1%}"
                     + floor_note
                     + ("" if math.isfinite(x) else "; floor overhead <= 0: no ratio")
+                    + (
+                        ""
+                        if every == TRAIN_FLOOR_EVERY
+                        else f"; shown, not judged: the goal is stated for saves every "
+                        f"{TRAIN_FLOOR_EVERY} steps"
+                    )
                     + (
                         f"; the floor that also hashes every byte (as a checksummed save must) "
                         f"{th['overhead']:+.1%}, {_num(_div(ta['overhead'], th['overhead']))}x "

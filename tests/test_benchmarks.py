@@ -206,9 +206,11 @@ def bench_report() -> Any:
     return report
 
 
-def floor_row(async_run: dict[str, float], floor_run: dict[str, float]) -> dict[str, Any]:
+def floor_row(
+    async_run: dict[str, float], floor_run: dict[str, float], every: int = 5
+) -> dict[str, Any]:
     """The "physical floor" target of one training row (stalwart async vs the floor)."""
-    run = {"every": 5, "bytes": 64 * 2**20, "step_s": 0.04}
+    run = {"every": every, "bytes": 64 * 2**20, "step_s": 0.04}
     results: dict[str, Any] = {
         "sizes": [],
         "training": {
@@ -336,3 +338,12 @@ def test_a_variants_processes_are_pooled_and_a_failed_one_left_out() -> None:
     assert pooled["rounds"] == 4 and pooled["processes"] == 2 and pooled["saves"] == 7
     assert pooled["overhead"] == pytest.approx((1.2 + 1.1) / 2 - 1)  # the median of four pairs
     assert stats.pooled_train_runs([{"error": "a"}, {"error": "b"}]) == {"error": "a"}
+
+
+def test_the_floor_target_is_judged_at_the_interval_the_goal_names_only() -> None:
+    async_run = {"overhead": 0.3, "blocked_share": 0.1, "background_share": 0.2}
+    floor_run = {"overhead": 0.05, "blocked_share": 0.02, "background_share": 0.03}
+    assert floor_row(async_run, floor_run)["status"] == "MISS"  # 6x at every 5 steps
+    row = floor_row(async_run, floor_run, every=20)
+    assert row["status"] == "N/A" and row["value"] == pytest.approx(6.0)
+    assert "shown, not judged" in row["detail"]
