@@ -266,3 +266,44 @@ def test_a_fresh_optimizer_given_state_by_prepare_is_emptied_when_a_data_file_is
         load_checkpoint(ckpt, parts.state)
     assert not parts.optimizer.state
     assert_same(before, dict(parts.model.state_dict()))
+
+
+class Interrupting(Preparing):
+    """A Restorable whose plan's prepare is interrupted (Ctrl-C while the data files are checked)."""
+
+    def plan_restore(self, metadata: Metadata, *, strict: bool) -> WeightsPlan:
+        plan = super().plan_restore(metadata, strict=strict)
+
+        def prepare() -> None:
+            self.calls.append("prepare")
+            raise KeyboardInterrupt
+
+        plan.prepare = prepare  # type: ignore[attr-defined]
+        return plan
+
+
+def test_an_interrupt_during_prepare_stays_an_interrupt_even_over_a_damaged_file(
+    tmp_path: Path,
+) -> None:
+    """A damaged file found by the checks must not turn Ctrl-C into a skipped checkpoint."""
+    ckpt, weights = saved_checkpoint(tmp_path / "run")
+    data = next(ckpt.glob("*.distcp"))
+    flip_byte(data, data.stat().st_size // 2)
+    target = Interrupting(set(weights))
+    with pytest.raises(KeyboardInterrupt):
+        load_checkpoint(ckpt, target)
+    assert target.calls == ["plan_restore", "prepare", "discard"]
+
+
+class Unplannable(Weights):
+    def plan_restore(self, metadata: Metadata, *, strict: bool) -> WeightsPlan:
+        raise TypeError("this state cannot plan a restore")
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs Linux's /proc/self/fd")
+def test_a_state_that_cannot_plan_leaves_no_check_running_and_no_file_open(tmp_path: Path) -> None:
+    ckpt, weights = saved_checkpoint(tmp_path / "run")
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(TypeError, match="cannot plan"):
+        load_checkpoint(ckpt, Unplannable(set(weights)))
+    assert set(os.listdir("/proc/self/fd")) == before

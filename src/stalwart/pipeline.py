@@ -450,9 +450,10 @@ def _load_checkpoint(
         try:
             if prepare is not None:
                 prepare()
-        except BaseException:
+        except Exception:
             files.wait_streamed()
             raise
+        # (An interrupt is not replaced by what the checks found: it stops the restore.)
         files.wait_streamed()
 
     try:
