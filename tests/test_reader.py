@@ -214,22 +214,15 @@ def test_a_read_waits_for_the_check_begun_of_its_file_and_checks_it_once(tmp_pat
     try:
         parts = make_parts(hidden=64)
         plan = parts.state.plan_restore(metadata, strict=True)
-        staged = plan.staged()
-        safe_load(
-            staged,
-            ckpt,
-            metadata=metadata,
-            reader=VerifiedFileReader(ckpt, files=files, metadata=metadata),
-        )
+
+        def read(target: dict) -> dict:
+            reader = VerifiedFileReader(ckpt, files=files, metadata=metadata)
+            safe_load(target, ckpt, metadata=metadata, reader=reader)
+            return target
+
+        staged = read(plan.staged())
         plan.check(staged)
-        in_place = plan.in_place()
-        safe_load(
-            in_place,
-            ckpt,
-            metadata=metadata,
-            reader=VerifiedFileReader(ckpt, files=files, metadata=metadata),
-        )
-        plan.apply({**staged, **in_place})
+        plan.apply({**staged, **read(plan.in_place())})
     finally:
         files.close()
     data_files = {e.path for e in files.manifest.files if e.path.endswith(".distcp")}

@@ -196,6 +196,12 @@ def test_a_check_failing_on_another_rank_leaves_a_fresh_optimizer_empty(tmp_path
         assert f"rank {rank} mismatch optimizer_state=0 kept=True" in proc.stdout, proc.stdout
 
 
+def damage_a_data_file(ckpt: Path) -> Path:
+    data = next(ckpt.glob("*.distcp"))
+    flip_byte(data, data.stat().st_size // 2)
+    return data
+
+
 class Preparing(Weights):
     """A Restorable whose plan has the optional ``prepare`` step."""
 
@@ -245,8 +251,7 @@ def test_a_damaged_data_file_is_reported_before_what_prepare_raised(tmp_path: Pa
     with pytest.raises(stalwart.StateMismatchError, match="prepare found"):
         load_checkpoint(ckpt, intact)
     assert intact.calls == ["plan_restore", "prepare", "discard"]
-    data = next(ckpt.glob("*.distcp"))
-    flip_byte(data, data.stat().st_size // 2)
+    data = damage_a_data_file(ckpt)
     damaged = Preparing(set(weights), fail=True)
     with pytest.raises(stalwart.CheckpointCorruptError, match=data.name):
         load_checkpoint(ckpt, damaged)
@@ -258,8 +263,7 @@ def test_a_fresh_optimizer_given_state_by_prepare_is_emptied_when_a_data_file_is
     tmp_path: Path,
 ) -> None:
     ckpt, _ = saved_checkpoint(tmp_path / "run")
-    data = next(ckpt.glob("*.distcp"))
-    flip_byte(data, data.stat().st_size // 2)
+    data = damage_a_data_file(ckpt)
     parts = make_parts()
     before = {k: v.clone() for k, v in parts.model.state_dict().items()}
     with pytest.raises(stalwart.CheckpointCorruptError, match=data.name):
@@ -287,8 +291,7 @@ def test_an_interrupt_during_prepare_stays_an_interrupt_even_over_a_damaged_file
 ) -> None:
     """A damaged file found by the checks must not turn Ctrl-C into a skipped checkpoint."""
     ckpt, weights = saved_checkpoint(tmp_path / "run")
-    data = next(ckpt.glob("*.distcp"))
-    flip_byte(data, data.stat().st_size // 2)
+    damage_a_data_file(ckpt)
     target = Interrupting(set(weights))
     with pytest.raises(KeyboardInterrupt):
         load_checkpoint(ckpt, target)
