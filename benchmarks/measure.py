@@ -17,7 +17,6 @@ import math
 import os
 import resource
 import shutil
-import statistics
 import tempfile
 import threading
 import time
@@ -155,8 +154,7 @@ def describe_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, An
 # -------------------------------------------------------------------- helpers
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else math.nan
+median = train_stats.median  # one definition, shared with the runner's pooling
 
 
 def best(values: list[float]) -> float:
