@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import shutil
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,9 +16,10 @@ import torch
 
 import stalwart
 from stalwart.hashed_file import Task
-from stalwart.workers import Workers
+from stalwart.workers import Workers, _in_own_thread, refused_new_work
 
 from .conftest import assert_same
+from .support.interrupts import KILLED, raised_into
 
 
 def test_a_pool_keeps_its_threads_between_tasks() -> None:
@@ -91,6 +94,53 @@ def test_a_task_submitted_while_the_interpreter_exits_still_runs() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "task ran" in done.stdout and "pool ran" in done.stdout
+
+
+@pytest.mark.parametrize("error", [KILLED, KeyboardInterrupt()], ids=["handler", "ctrl-c"])
+def test_an_error_raised_into_submit_after_queueing_is_raised_and_the_task_runs_once(
+    error: BaseException,
+) -> None:
+    """Before: ``submit`` took any RuntimeError for the interpreter's exit and ran the
+    task again in a thread of its own. A file's fsync task ran twice (the second on a
+    closed descriptor) and the signal handler's error was lost."""
+    pool = Workers("test-signal", 1)
+    pool.submit(lambda: None).result()  # its thread waits for work, as in a save
+    ran: list[int] = []
+    done = threading.Event()
+
+    def task() -> None:
+        ran.append(1)
+        done.set()
+
+    submit = concurrent.futures.ThreadPoolExecutor.submit.__code__
+    raised_into(submit, "_adjust_thread_count", error, lambda: pool.submit(task))
+    assert done.wait(10)  # queued before the error: the pool's thread runs it
+    time.sleep(0.2)
+    assert ran == [1]
+
+
+def test_the_refusals_recognised_are_the_ones_python_raises() -> None:
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    pool.shutdown()
+    with pytest.raises(RuntimeError) as refused:
+        pool.submit(print)
+    assert refused_new_work(refused.value)
+    assert not refused_new_work(KILLED)
+
+
+def test_an_error_raised_into_a_started_thread_is_raised_and_the_task_runs_once() -> None:
+    """The fallback's own thread start: an error raised once the thread runs is not a
+    refusal to start one, so the task is not run a second time inline."""
+    ran: list[int] = []
+    started = threading.Thread.start.__code__
+    pending: list[concurrent.futures.Future[None]] = []
+
+    def start() -> None:
+        pending.append(_in_own_thread(lambda: ran.append(1), (), "test-signal-own"))
+
+    raised_into(started, "self._started.wait()", KILLED, start)
+    time.sleep(0.2)
+    assert ran == [1]
 
 
 def test_restores_in_several_threads_at_once_are_each_exact(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,8 @@ from stalwart.manifest import hash_file
 from stalwart.safe_load import read_dcp_metadata
 from stalwart.staging import PAGE_ALIGNED_MIN, StagingArea, page_aligned_empty
 from stalwart.writer import ChecksummingWriter, RecordTemplates, without_zip_crc
+
+from .support.interrupts import KILLED, raised_into
 
 PAGE = 4096
 
@@ -549,3 +552,29 @@ def test_a_packed_checkpoint_of_many_small_tensors_restores_exactly(
         assert torch.equal(value, want[key]), key
     for p, m in zip(model.parameters(), moments, strict=True):
         assert torch.equal(opt.state[p]["exp_avg_sq"], m)
+
+
+def test_an_error_raised_into_a_bounced_writes_submit_is_raised_and_the_write_done_once(
+    tmp_path: Path,
+) -> None:
+    """A signal handler's RuntimeError raised once the bounced write was queued is not
+    the executor refusing work: it comes out as it is, and the piece is not written
+    a second time inline (the direct bytes would count it twice), nor does the save
+    go on to write the rest of the view."""
+    if not takes_direct_io(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT writes: nothing is bounced")
+    t = unaligned_tensor()
+    view = records._data_view(t)
+    out = hashed_file.HashedFile(tmp_path / "f")
+    try:
+        assert out.add_direct(view, t.data_ptr())  # the I/O thread started, as in a save
+        submit = ThreadPoolExecutor.submit.__code__
+        raised_into(
+            submit, "_adjust_thread_count", KILLED, lambda: out.add_direct(view, t.data_ptr())
+        )
+        out.finish()  # waits for the queued write
+    finally:
+        out.abandon()
+    # All of the first view, and the second's first bounce buffer, queued once.
+    assert view.nbytes > file_io.BOUNCE_BYTES
+    assert out.direct_bytes == view.nbytes // PAGE * PAGE + file_io.BOUNCE_BYTES

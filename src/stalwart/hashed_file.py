@@ -35,7 +35,7 @@ from stalwart.file_io import (
     write_at,
 )
 from stalwart.manifest import FileEntry
-from stalwart.workers import Workers
+from stalwart.workers import Workers, refused_new_work
 
 __all__ = [
     "BATCH_BYTES",
@@ -352,8 +352,12 @@ class HashedFile:
         assert self._io is not None
         try:
             future: Future[None] | None = self._io.submit(self._write_bounced, bounce, offset)
-        except RuntimeError:  # no new work at this point of the interpreter's exit
-            self._drain()  # then inline, one write at a time as on the I/O thread
+        except RuntimeError as exc:
+            if not refused_new_work(exc):
+                raise
+            # No new work at this point of the interpreter's exit: inline, one
+            # write at a time as on the I/O thread.
+            self._drain()
             self._write_bounced(bounce, offset)
             future = None
         self._slots[self._next_slot] = (self._slots[self._next_slot][0], future)

@@ -22,7 +22,25 @@ import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-__all__ = ["Workers"]
+__all__ = ["Workers", "refused_new_work"]
+
+# How an executor or ``Thread.start`` says it takes no more work: at the
+# interpreter's exit, or when no thread can be started.
+_REFUSALS = (
+    "cannot schedule new futures",
+    "can't start new thread",
+    "can't create new thread",
+)
+
+
+def refused_new_work(exc: RuntimeError) -> bool:
+    """True when ``exc`` is an executor or thread start refusing work, so the work
+    was not queued and may run elsewhere. Any other ``RuntimeError`` is not: a
+    signal handler can raise one into the submitting thread at any bytecode, after
+    the work was queued (DataLoader's SIGCHLD handler does, when a worker dies), and
+    running the work a second time would close a file under its queued fsync and
+    swallow the handler's error."""
+    return str(exc).startswith(_REFUSALS)
 
 
 class Workers:
@@ -44,8 +62,10 @@ class Workers:
         """Run ``fn(*args)`` in one of the pool's threads; its future."""
         try:
             return self._executor().submit(fn, *args)
-        except RuntimeError:  # interpreter shutdown: executors take no new work
-            return _in_own_thread(fn, args, self.name)
+        except RuntimeError as exc:
+            if not refused_new_work(exc):
+                raise
+            return _in_own_thread(fn, args, self.name)  # interpreter shutdown
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
@@ -76,8 +96,10 @@ def _in_own_thread(
 
     try:
         threading.Thread(target=run, name=name).start()
-    except RuntimeError:  # no new thread at this point of the interpreter's exit
-        run()
+    except RuntimeError as exc:
+        if not refused_new_work(exc):
+            raise
+        run()  # no new thread at this point of the interpreter's exit
     return future
 
 
