@@ -11,11 +11,15 @@ filesystem that takes no direct I/O, ENOSPC) are in tests/faults/test_direct_wri
 
 from __future__ import annotations
 
+import dis
 import io
 import os
+import sys
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -578,3 +582,56 @@ def test_an_error_raised_into_a_bounced_writes_submit_is_raised_and_the_write_do
     # All of the first view, and the second's first bounce buffer, queued once.
     assert view.nbytes > file_io.BOUNCE_BYTES
     assert out.direct_bytes == view.nbytes // PAGE * PAGE + file_io.BOUNCE_BYTES
+
+
+def test_a_file_abandoned_by_two_threads_at_once_is_closed_once(tmp_path: Path) -> None:
+    """A file's fsync task ends with ``abandon``; the writer's cleanup calls it too
+    for a file whose task it never saw. One thread is held right after it took the
+    descriptor, and the other runs meanwhile: without the file's lock both close the
+    same number (a second close can close another file's descriptor)."""
+    out = hashed_file.HashedFile(tmp_path / "f")
+    code = hashed_file.HashedFile.abandon.__code__
+    taken = next(
+        i.offset
+        for i in dis.get_instructions(code)
+        if i.opname == "STORE_FAST" and i.argval == "fd"
+    )
+    held, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def trace(frame: Any, event: str, _arg: Any) -> Any:
+        if event == "call":
+            if frame.f_code is not code:
+                return None
+            frame.f_trace_opcodes = True
+        elif event == "opcode" and frame.f_lasti == taken:
+            held.set()
+            release.wait(10)
+        return trace
+
+    def first() -> None:
+        sys.settrace(trace)
+        try:
+            out.abandon()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            sys.settrace(None)
+
+    def second() -> None:
+        try:
+            out.abandon()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first)]
+    threads[0].start()
+    assert held.wait(10)
+    threads.append(threading.Thread(target=second))
+    threads[1].start()
+    threads[1].join(0.5)  # done by now without the lock; waiting for it with the lock
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert errors == []
+    assert out.fd == -1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -118,6 +119,11 @@ class HashedFile:
         self._frames: memoryview | None = None
         self._frame_lease: contextlib.ExitStack | None = None
         self._frames_used = 0
+        self._abandoning = threading.Lock()
+        """``abandon`` can run in two threads at once: a file's fsync task ends with
+        it, and the writer's cleanup calls it for a file whose task it never saw
+        (an exception raised into the saving thread between the two). One of them
+        closes the descriptor; a second close could close another file's."""
         self.framing_bytes = 0
         """Bytes of record framing sent with direct pieces (counted in ``direct_bytes``
         once written, unless the filesystem refused direct I/O)."""
@@ -495,25 +501,27 @@ class HashedFile:
             self.abandon()
 
     def abandon(self) -> None:
-        """Close without fsync (after a failure, or once synced); idempotent."""
-        self._gather, self._gather_bytes = [], 0  # never written: the file is abandoned
-        self._frames = None
-        if self._frame_lease is not None:
-            self._frame_lease.close()  # the frame pages back to the pool
-            self._frame_lease = None
-        with contextlib.suppress(Exception):
-            self._drain()  # a failed save's error was raised already
-        if self._io is not None:
-            self._io.shutdown(wait=True)
-            self._io = None
-        if self._leases is not None:
-            self._leases.close()  # the bounce buffers back to the pool
-            self._leases = None
-            self._slots = []
-        self._close_direct()
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
+        """Close without fsync (after a failure, or once synced); idempotent, and safe
+        to call from two threads at once."""
+        with self._abandoning:
+            self._gather, self._gather_bytes = [], 0  # never written: the file is abandoned
+            self._frames = None
+            if self._frame_lease is not None:
+                self._frame_lease.close()  # the frame pages back to the pool
+                self._frame_lease = None
+            with contextlib.suppress(Exception):
+                self._drain()  # a failed save's error was raised already
+            if self._io is not None:
+                self._io.shutdown(wait=True)
+                self._io = None
+            if self._leases is not None:
+                self._leases.close()  # the bounce buffers back to the pool
+                self._leases = None
+                self._slots = []
+            self._close_direct()
+            fd, self.fd = self.fd, -1
+            if fd >= 0:
+                os.close(fd)
 
     @contextlib.contextmanager
     def _naming_errors(self) -> Iterator[None]:
