@@ -18,12 +18,11 @@ import textwrap
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from stalwart.events import read_events
 
 from ..conftest import assert_same
-from ..support.torchrun import ok, torchrun
+from ..support.torchrun import launch_ranks, ok, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 NANOGPT = REPO / "examples" / "nanogpt.py"
@@ -134,30 +133,10 @@ def test_a_save_after_a_peer_was_sigkilled_says_so_in_one_line(tmp_path: Path) -
     """Step 5 is not due (every 10): the error must not claim that saving it failed."""
     script = tmp_path / "peer_dies.py"
     script.write_text(_PEER_DIES)
-    store = dist.TCPStore("127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False)
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO / "src"),
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(store.port),
-        "TORCHELASTIC_RUN_ID": f"peer-dies-{os.getpid()}",
-        "OMP_NUM_THREADS": "1",
-    }
     run = tmp_path / "run"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(run)],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
-    (_, err0), (_, _) = (p.communicate(timeout=120) for p in procs)
-    assert procs[1].returncode == -signal.SIGKILL
-    assert procs[0].returncode == 1, err0
+    (code0, _, err0), (code1, _, _) = launch_ranks(script, str(run))
+    assert code1 == -signal.SIGKILL
+    assert code0 == 1, err0
     last = err0.strip().splitlines()[-1]
     # The uncaught error's line (torch prefixes a rank's stderr with "[rank0]: ").
     assert "stalwart.errors.CheckpointSaveError: rank 1 is gone (" in last, err0

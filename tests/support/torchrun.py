@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 WORKER = Path(__file__).parents[1] / "distributed" / "worker.py"
 """The DDP / FSDP2 training worker every torchrun test launches."""
@@ -31,6 +32,44 @@ def torchrun(
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def launch_ranks(
+    script: Path, *args: str, world: int = 2, timeout: float = 120
+) -> list[tuple[int | None, str, str]]:
+    """``script`` as ``world`` ranks without torchrun (whose agent would stop every
+    rank once one died, where a test wants to see how the others fail): each rank's
+    (return code, stdout, stderr)."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size=world, is_master=True, wait_for_workers=False)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).parents[2] / "src"),
+        "PYTHONUNBUFFERED": "1",
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_RUN_ID": f"ranks-{os.getpid()}-{store.port}",
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    del store  # kept until every rank ended: it is their rendezvous
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
 
 
 def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
