@@ -130,11 +130,14 @@ def open_regular(path: Path, flags: int) -> int:
         if exc.errno in (errno.ELOOP, errno.ENXIO):
             raise _refusal(path, "not a regular file", exc.errno) from exc
         raise
-    what = not_regular(os.fstat(fd), writing=bool(flags & (os.O_WRONLY | os.O_RDWR)))
-    if what is not None:
+    try:
+        what = not_regular(os.fstat(fd), writing=bool(flags & (os.O_WRONLY | os.O_RDWR)))
+        if what is not None:
+            raise _refusal(path, what, errno.EINVAL)
+        os.set_blocking(fd, True)
+    except BaseException:  # an interrupt too: the descriptor is not handed out
         os.close(fd)
-        raise _refusal(path, what, errno.EINVAL)
-    os.set_blocking(fd, True)
+        raise
     return fd
 
 

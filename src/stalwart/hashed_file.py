@@ -73,6 +73,11 @@ class Task:
     def result(self) -> Any:
         return self._future.result()
 
+    def wait(self) -> BaseException | None:
+        """Wait for the task; its exception, returned, not raised. Only an exception
+        raised into the waiting thread (an interrupt) comes out of this."""
+        return self._future.exception()
+
 
 _WRITERS = Workers("stalwart-writer", 8)
 """Writer threads of every save of the process (one per file written and its fsync)."""
@@ -382,12 +387,14 @@ class HashedFile:
                     raise OSError(errno.EIO, "write wrote nothing")
                 done += written
 
-    def _drain(self) -> None:
-        """Wait for every bounced write, then raise the first error."""
+    def _drain(self, *, raise_first: bool = True) -> None:
+        """Wait for every bounced write, then raise the first error (``raise_first``)."""
         slots, self._slots = self._slots, [(buf, None) for buf, _pending in self._slots]
-        errors = [p.exception() for _buf, p in slots if p is not None]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
+        first = None
+        for _buf, pending in slots:
+            if pending is not None:
+                first = first or pending.exception()
+        if first is not None and raise_first:
             raise first
 
     def _write_direct(self, fd: int, view: memoryview, offset: int) -> int:
@@ -509,8 +516,9 @@ class HashedFile:
             if self._frame_lease is not None:
                 self._frame_lease.close()  # the frame pages back to the pool
                 self._frame_lease = None
-            with contextlib.suppress(Exception):
-                self._drain()  # a failed save's error was raised already
+            # A failed save's error was raised already. (Not a suppress(Exception):
+            # it would swallow an interrupt raised into this thread while it waits.)
+            self._drain(raise_first=False)
             if self._io is not None:
                 self._io.shutdown(wait=True)
                 self._io = None

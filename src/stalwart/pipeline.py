@@ -162,19 +162,20 @@ def open_save(
 
     try:
         reports = coord.agree_all(prepare, catch=(Exception,), remote=remote)
+        name, skip, _shared, _host = reports[0]
+        return OpenedSave(
+            step=step,
+            staging=None if skip or name is None else storage.path_of(name),
+            state_dict=state_dict,
+            shared=[shared for _n, _s, shared, _h in reports],
+            hosts=[host for _n, _s, _sh, host in reports],
+        )
     except BaseException:
         if created is not None:
-            # The leader made the directory before a rank failed: nothing will be written.
+            # The leader made the directory before a rank failed (or an interrupt
+            # came): nothing will be written.
             storage.abort(created)
         raise
-    name, skip, _shared, _host = reports[0]
-    return OpenedSave(
-        step=step,
-        staging=None if skip or name is None else storage.path_of(name),
-        state_dict=state_dict,
-        shared=[shared for _n, _s, shared, _h in reports],
-        hosts=[host for _n, _s, _sh, host in reports],
-    )
 
 
 def write_and_commit(
@@ -310,6 +311,7 @@ def _write_mine(
             finally:
                 writer.close()
         except CheckpointException as exc:
+            _raise_interrupt(exc)
             raise CheckpointSaveError(_first_failure(exc)) from (_find_os_error(exc) or exc)
         timing["written"] = time.perf_counter()
         # Each file was hashed while it was written and is fsynced: nothing is read back.
@@ -352,6 +354,15 @@ def _foreign_files(directory: Path, known: set[str]) -> list[FileEntry]:
                 os.fsync(stream.fileno())
             entries.append(FileEntry(path=rel, size=size, xxh3_128=digest))
     return entries
+
+
+def _raise_interrupt(exc: CheckpointException) -> None:
+    """Raise the KeyboardInterrupt (or SystemExit, ...) DCP caught and wrapped, as it is:
+    Ctrl-C during a save must stop the program, not become a failed save that a
+    training loop may catch and go on from."""
+    for _rank, (inner, _trace) in sorted(exc.failures.items()):
+        if not isinstance(inner, Exception):
+            raise inner
 
 
 def _first_failure(exc: CheckpointException) -> str:

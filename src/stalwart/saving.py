@@ -116,41 +116,60 @@ class SaveWriter:
         opened = self._open(step, state)
         if opened is None:
             return False
-        opened.state_dict = state.with_rank_values(opened.state_dict, opened.shared)
-        fields = self.provenance.fields(
-            state, world_size=self.world_size, hosts=opened.hosts, metrics=metrics
-        )
-        self.last_saved_step = step
+        previous, handed = self.last_saved_step, False
+        try:
+            opened.state_dict = state.with_rank_values(opened.state_dict, opened.shared)
+            fields = self.provenance.fields(
+                state, world_size=self.world_size, hosts=opened.hosts, metrics=metrics
+            )
+            self.last_saved_step = step
+            if self.background is None:
+                # (write_and_commit removes the directory on failure, and commits it
+                # under another name: removing it again below is a no-op.)
+                result = self._write(opened, fields, self.coord)
+            else:
+                stall = time.perf_counter() - t0
+                coord = self.async_coord
+                assert coord is not None
+
+                def job() -> SaveResult:
+                    result = self._write(opened, fields, coord, pack=True)
+                    self._after_commit(
+                        result,
+                        stall_s=stall,
+                        stage_s=stall,
+                        total_s=time.perf_counter() - t0,
+                        emergency=emergency,
+                    )
+                    return result
+
+                self.background.submit(job)
+                handed = True
+        except BaseException:
+            # Until the write or the background job takes the staging directory over,
+            # it is this call's to remove: an error here, or an interrupt raised into
+            # the training thread (a signal handler's), leaves none behind.
+            if not handed:
+                self.last_saved_step = previous
+                self._discard(opened)
+            raise
+        self.last_save_time = time.monotonic()
         if self.background is None:
-            result = self._write(opened, fields, self.coord)
-            self.last_save_time = time.monotonic()
             stall = time.perf_counter() - t0
             self._after_commit(
                 result, stall_s=stall, stage_s=0.0, total_s=stall, emergency=emergency
             )
-            return True
-        stall = time.perf_counter() - t0
-        self.last_save_time = time.monotonic()
-        coord = self.async_coord
-        assert coord is not None
-
-        def job() -> SaveResult:
-            result = self._write(opened, fields, coord, pack=True)
-            self._after_commit(
-                result,
-                stall_s=stall,
-                stage_s=stall,
-                total_s=time.perf_counter() - t0,
-                emergency=emergency,
-            )
-            return result
-
-        self.background.submit(job)
-        if emergency:
+        elif emergency:
             # A preempted job may be killed at any moment after the grace period:
             # make the emergency checkpoint durable before returning.
             self.background.wait()
         return True
+
+    def _discard(self, opened: OpenedSave) -> None:
+        """Remove ``opened``'s staging directory (the leader made it); a no-op once
+        it was committed (renamed) or removed already."""
+        if opened.staging is not None and self.coord.is_leader:
+            self.storage.abort(opened.staging)
 
     def _open(self, step: int, state: TrainState) -> OpenedSave | None:
         """Collective 2: stage the directory, collect the state on every rank, agree; None: skip."""

@@ -55,7 +55,6 @@ working; what changes is how the bytes reach the disk:
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 from collections.abc import Iterator
@@ -335,6 +334,8 @@ class ChecksummingWriter(FileSystemWriter):
         ]
         outcomes = self._write_all(jobs, planner)
         for _results, out in outcomes:
+            self._files.append(out)  # closed by close() from here on, whatever comes
+        for _results, out in outcomes:
             self._sync_later(out)
         future: Future[list[WriteResult]] = Future()
         future.set_result([r for results, _out in outcomes for r in results])
@@ -364,7 +365,7 @@ class ChecksummingWriter(FileSystemWriter):
         return outcomes
 
     def _sync_later(self, out: HashedFile) -> None:
-        self._files.append(out)
+        """Finish ``out`` (one of ``_files``) and start its fsync."""
         self.written.append(out.finish())  # names the file by out.path, as renamed
         self._syncs.append(Task(out.sync))
 
@@ -384,6 +385,7 @@ class ChecksummingWriter(FileSystemWriter):
     def _write_small(self, name: str, data: bytes) -> None:
         tmp = Path(self.path) / f"{name}.tmp"
         out = HashedFile(tmp)
+        self._files.append(out)  # closed by close(), whatever comes
         try:
             out.add([data])
             out.finish()
@@ -403,9 +405,14 @@ class ChecksummingWriter(FileSystemWriter):
             self.close()
 
     def close(self) -> None:
-        """Wait for the fsync threads, close every descriptor still open; idempotent."""
-        for pending in self._syncs:
-            with contextlib.suppress(BaseException):  # sync() reports them; close() only cleans up
-                pending.result()
-        for out in self._files:
-            out.abandon()
+        """Wait for the fsync threads, close every descriptor still open; idempotent.
+
+        The fsyncs' errors are ``sync``'s to report; an interrupt raised into this
+        thread while it waits comes out, once every file is closed.
+        """
+        try:
+            for pending in self._syncs:
+                pending.wait()
+        finally:
+            for out in self._files:
+                out.abandon()
