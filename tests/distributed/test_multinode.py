@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -93,17 +94,31 @@ def _node(port: int, scratch: Path, run: Path, out: Path) -> subprocess.Popen[st
     )
 
 
-def _kill_node(agent: subprocess.Popen[str]) -> None:
-    """SIGKILL an agent and its workers at once (torchrun starts workers in sessions of their own)."""
-    children = subprocess.run(
-        ["pgrep", "-P", str(agent.pid)], capture_output=True, text=True, check=False
-    ).stdout.split()
-    for pid in children:
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid``, from /proc (workers, their helpers, anything between)."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.kill(int(pid), signal.SIGKILL)
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parent[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def _kill_node(agent: subprocess.Popen[str]) -> None:
+    """SIGKILL an agent and every process under it at once (torchrun starts workers in
+    sessions of their own, so a process group kill alone would miss them)."""
+    for pid in [agent.pid, *_descendants(agent.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    os.killpg(agent.pid, signal.SIGKILL)
 
 
 def _reap(p: subprocess.Popen[str]) -> None:
@@ -123,6 +138,31 @@ def _saved_steps(run: Path) -> list[int]:
     except FileNotFoundError:
         return []
     return [e["step"] for e in map(json.loads, lines) if e["event"] == "save"]
+
+
+def _survivor_notices(a: subprocess.Popen[str], run: Path) -> None:
+    """The surviving rank notices the dead node at its next collective and does not
+    hang: its save fails (when the death fell between two steps' collectives), or
+    DDP's gradient all-reduce fails and its worker exits (when it fell in a step)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if "save-error" in _worker_output(run):
+            assert "rank 1 is gone" in _worker_output(run), _worker_output(run)
+            return
+        if a.poll() is not None:
+            out = a.stdout.read() if a.stdout else ""
+            assert a.returncode != 0, out[-4000:]
+            assert re.search(r"Connection (reset|closed) by peer", out), out[-4000:]
+            return
+        time.sleep(0.2)
+    _kill_node(a)
+    output = a.stdout.read() if a.stdout else ""
+    raise AssertionError(
+        "the surviving rank did not notice the dead node within 60 s; its log: "
+        + _worker_output(run)
+        + "; its agent's output: "
+        + output[-4000:]
+    )
 
 
 def test_dead_node_fails_the_save_and_the_restarted_job_resumes_exactly(tmp_path: Path) -> None:
@@ -148,13 +188,7 @@ def test_dead_node_fails_the_save_and_the_restarted_job_resumes_exactly(tmp_path
         assert max(_saved_steps(run), default=0) >= 12, "the run made no progress"
         _kill_node(b)
         _reap(b)
-        # The survivor notices at its next collective: its save fails, it does not hang.
-        deadline = time.monotonic() + 60
-        while "save-error" not in _worker_output(run) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert "save-error" in _worker_output(run), (
-            "the surviving rank did not notice the dead node"
-        )
+        _survivor_notices(a, run)
         _kill_node(a)
         _reap(a)
         a2, b2 = _start_job(tmp_path, run, out, nodes, "second")
