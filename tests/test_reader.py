@@ -61,6 +61,7 @@ def test_load_reads_every_file_once_and_decodes_tensors_without_unpickling(
         safe_load(target, ckpt, metadata=metadata, reader=reader)
         readers.append(reader)
     plan.apply({**staged, **plan.in_place()})
+    files.close()
     data_files = {e.path for e in files.manifest.files if e.path.endswith(".distcp")}
     assert data_files and set(files.reads) == data_files
     assert all(count == 1 for count in files.reads.values()), files.reads

@@ -122,6 +122,7 @@ def test_metadata_pointing_a_tensor_at_another_shape_s_record_is_a_clear_error(
         stalwart.CheckpointCorruptError, match=r"'model.0.weight' holds shape \[16\]"
     ):
         safe_load(target, ckpt, metadata=metadata, reader=reader)
+    files.close()
     assert not target["model.0.weight"].any()
 
 

@@ -506,8 +506,8 @@ def data_file_sizes(directory: str) -> Callable[[str], int]:
     def size_of(name: str) -> int:
         where = os.path.join(directory, name)
         try:
-            with open_checkpoint_file(directory, name) as (_stream, size):
-                return size
+            with open_checkpoint_file(directory, name) as stream:
+                return stream.size
         except FileNotFoundError as exc:
             raise CheckpointCorruptError(
                 f"{where}: missing (named by the DCP metadata)", path=where
@@ -529,8 +529,8 @@ def read_metadata_file(directory: str, name: str) -> Metadata:
     """
     where = os.path.join(directory, name)
     try:
-        with open_checkpoint_file(directory, name) as (stream, size):
-            return _unpickle_metadata(stream, size, where, data_file_sizes(directory))
+        with open_checkpoint_file(directory, name) as stream:
+            return _unpickle_metadata(stream, stream.size, where, data_file_sizes(directory))
     except FileNotFoundError:
         raise
     except OSError as exc:

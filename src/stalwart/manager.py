@@ -392,10 +392,11 @@ class CheckpointManager:
         checkpoint. Every file is checked against the manifest before anything
         is deserialized; a bad checkpoint is skipped (logged with the reason, in
         ``events.jsonl`` too, and moved aside as ``.step_….corrupt-…``) for the
-        next older one. With ``step``, a bad checkpoint raises
-        ``CheckpointCorruptError`` instead, and a missing one
-        ``CheckpointNotFoundError``. ``strict=False`` loads only the keys both
-        the state and the checkpoint have.
+        next older one; if all failed, one in a way that may pass (a read error),
+        a transient ``CheckpointCorruptError`` is raised and all are kept. With
+        ``step``, a bad checkpoint raises ``CheckpointCorruptError`` instead, and
+        a missing one ``CheckpointNotFoundError``. ``strict=False`` loads only
+        the keys both the state and the checkpoint have.
         """
         self._check_open()
         if not isinstance(state, TrainState):

@@ -35,8 +35,7 @@ import math
 import os
 import stat
 import subprocess
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -52,6 +51,7 @@ __all__ = [
     "MANIFEST_NAME",
     "MAX_JSON_DEPTH",
     "MAX_MANIFEST_BYTES",
+    "CheckpointFile",
     "FileEntry",
     "Manifest",
     "canonical_json",
@@ -95,18 +95,27 @@ def _open_no_follow(directory: str | os.PathLike[str], relative: str) -> int:
         os.close(parent)
 
 
-@contextmanager
-def open_checkpoint_file(
-    directory: str | os.PathLike[str], relative: str
-) -> Iterator[tuple[io.FileIO, int]]:
-    """Open ``directory/relative`` for reading as ``(binary file, size)``, refusing anything odd.
+class CheckpointFile(io.FileIO):
+    """A regular file of a checkpoint, open for reading (``open_checkpoint_file``).
+
+    ``size`` is its size when it was opened. ``with`` closes it through
+    ``io.FileIO``'s own ``__exit__``, which runs no Python code: an exception a
+    signal handler raises into the thread (Ctrl-C) cannot fall between the end
+    of the block and the close, as it can at a generator context manager's exit.
+    """
+
+    size: int
+
+
+def open_checkpoint_file(directory: str | os.PathLike[str], relative: str) -> CheckpointFile:
+    """Open ``directory/relative`` for reading, refusing anything odd; use it in ``with``.
 
     The file is opened without following symbolic links (in ``relative``'s
     components too) and checked with ``fstat`` to be a regular file, so a link
     out of the checkpoint, a FIFO or a device (``/dev/zero`` reads forever) is
     never read. Raises ``OSError`` with ``errno.ELOOP`` for a link, ``OSError``
     for other I/O failures and ``CheckpointCorruptError`` naming the file for
-    something that is not a regular file. Any thread; the file is closed on exit.
+    something that is not a regular file. Any thread.
     """
     where = os.path.join(os.fspath(directory), relative)
     try:
@@ -128,12 +137,12 @@ def open_checkpoint_file(
                 path=where,
             )
         os.set_blocking(fd, True)
-        stream = io.FileIO(fd, "rb")
+        stream = CheckpointFile(fd, "rb")  # owns fd from here (no Python code runs in it)
     except BaseException:
         os.close(fd)
         raise
-    with stream:
-        yield stream, info.st_size
+    stream.size = info.st_size
+    return stream
 
 
 def hash_file(
@@ -145,7 +154,7 @@ def hash_file(
     through ``open_checkpoint_file`` (no links, regular files only).
     """
     if within is not None:
-        with open_checkpoint_file(within, os.fspath(path)) as (f, _size):
+        with open_checkpoint_file(within, os.fspath(path)) as f:
             return _hash_stream(f)
     with open(path, "rb", buffering=0) as f:
         return _hash_stream(f)

@@ -243,8 +243,8 @@ def read_metadata_json(checkpoint: str | os.PathLike[str]) -> Metadata | None:
     directory = os.fspath(checkpoint)
     where = os.path.join(directory, DCP_METADATA_JSON_NAME)
     try:
-        with open_checkpoint_file(directory, DCP_METADATA_JSON_NAME) as (stream, size):
-            data = stream.read(size)
+        with open_checkpoint_file(directory, DCP_METADATA_JSON_NAME) as stream:
+            data = stream.read(stream.size)
     except FileNotFoundError:
         return None
     except OSError as exc:

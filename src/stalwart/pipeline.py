@@ -38,7 +38,7 @@ from stalwart.layout import MANIFEST_NAME
 from stalwart.manifest import FileEntry, Manifest, hash_file, open_checkpoint_file
 from stalwart.reader import VerifiedFileReader, verified_checkpoint
 from stalwart.restore_protocol import Restorable
-from stalwart.safe_load import safe_load
+from stalwart.safe_load import raise_interrupt, safe_load
 from stalwart.save_plan import CachingSavePlanner, SavePlanCache
 from stalwart.staging import AsyncSaver, StagingArea, stage_state_dict
 from stalwart.storage.base import CheckpointStorage
@@ -311,7 +311,7 @@ def _write_mine(
             finally:
                 writer.close()
         except CheckpointException as exc:
-            _raise_interrupt(exc)
+            raise_interrupt(exc)
             raise CheckpointSaveError(_first_failure(exc)) from (_find_os_error(exc) or exc)
         timing["written"] = time.perf_counter()
         # Each file was hashed while it was written and is fsynced: nothing is read back.
@@ -350,19 +350,10 @@ def _foreign_files(directory: Path, known: set[str]) -> list[FileEntry]:
                     "files in the staging directory must use other names"
                 )
             size, digest = hash_file(rel, within=directory)
-            with open_checkpoint_file(directory, rel) as (stream, _size):
+            with open_checkpoint_file(directory, rel) as stream:
                 os.fsync(stream.fileno())
             entries.append(FileEntry(path=rel, size=size, xxh3_128=digest))
     return entries
-
-
-def _raise_interrupt(exc: CheckpointException) -> None:
-    """Raise the KeyboardInterrupt (or SystemExit, ...) DCP caught and wrapped, as it is:
-    Ctrl-C during a save must stop the program, not become a failed save that a
-    training loop may catch and go on from."""
-    for _rank, (inner, _trace) in sorted(exc.failures.items()):
-        if not isinstance(inner, Exception):
-            raise inner
 
 
 def _first_failure(exc: CheckpointException) -> str:

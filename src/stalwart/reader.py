@@ -296,7 +296,8 @@ class VerifiedFiles:
         with self._lock:
             self.reads[name] += 1
         try:
-            with open_checkpoint_file(self.directory, name) as (stream, size):
+            with open_checkpoint_file(self.directory, name) as stream:
+                size = stream.size
                 problem = size_problem(entry, size)
                 if problem is not None:
                     return problem

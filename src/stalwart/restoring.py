@@ -90,6 +90,7 @@ class RestoreWalk:
         else:
             candidates = sorted(committed, reverse=True)
         last_error: CheckpointCorruptError | None = None
+        kept: CheckpointCorruptError | None = None  # the newest failure that may pass
         touched = False  # a failed candidate had already written into the live tensors
         for candidate in candidates:
             sources = (["local"] if candidate in local else []) + (
@@ -108,6 +109,7 @@ class RestoreWalk:
                     )
                 except CheckpointCorruptError as exc:
                     last_error = exc
+                    kept = kept or (exc if exc.transient else None)
                     touched = touched or exc.live_modified
                     self._skip_bad(candidate, source, exc)
                     continue
@@ -154,6 +156,18 @@ class RestoreWalk:
             )
             error.live_modified = True
             raise error
+        if kept is not None:
+            # Committed checkpoints exist and failed only in ways that may pass (a read
+            # error, a download, an error raised into the load): starting the run over
+            # would throw their progress away. Stop; a restart of the job retries them.
+            error = CheckpointCorruptError(
+                f"no checkpoint in {self.directory} could be restored now, and at least one "
+                f"failed in a way that may pass ({kept}); the checkpoints are kept in place: "
+                "restart the job to try them again rather than start the run over",
+                path=kept.path,
+                transient=True,
+            )
+            raise error from kept
         incomplete = [e.name for e in entries if e.status == "incomplete"]
         self.events.emit(
             "restore_none",

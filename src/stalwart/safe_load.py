@@ -97,10 +97,7 @@ class _NoFollowFileSystem(FileSystem):
             return
         file = os.fspath(path)
         try:
-            with open_checkpoint_file(os.path.dirname(file), os.path.basename(file)) as (
-                stream,
-                _size,
-            ):
+            with open_checkpoint_file(os.path.dirname(file), os.path.basename(file)) as stream:
                 # Buffered like DCP's own open(): it reads many small records.
                 yield io.BufferedReader(stream)
         except FileNotFoundError:
@@ -326,8 +323,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 f"{_weights_only_detail(exc)}"
             ) from exc
         except Exception as exc:
+            # Its bytes passed their checksum: not proof of damage (transient, see
+            # _convert_checkpoint_exception), whatever raised it.
             raise CheckpointCorruptError(
-                f"non-tensor value {fqn!r} is unreadable: {type(exc).__name__}: {exc}"
+                f"non-tensor value {fqn!r} is unreadable: {type(exc).__name__}: {exc}",
+                transient=True,
             ) from exc
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
@@ -381,13 +381,26 @@ def _convert_checkpoint_exception(
             f"{checkpoint_dir}: {first} Load into a state dict with the checkpoint's keys "
             "(`stalwart inspect` lists them)."
         )
-    # A read that failed (EIO, ...) says nothing about the bytes: transient, so that
-    # restore falls back without moving a good checkpoint aside.
+    # Transient: a read that failed (EIO, ...) says nothing about the bytes, and
+    # neither does any other error raised here after the files and the metadata
+    # passed their checks (a signal handler's RuntimeError lands wherever the
+    # thread is, MemoryError, ...). Restore falls back without moving the
+    # checkpoint aside; only a check's finding (above) is proof of damage.
     return CheckpointCorruptError(
-        f"{checkpoint_dir}: DCP load failed on rank(s) {ranks}: {type(first).__name__}: {first}",
+        f"{checkpoint_dir}: DCP load failed on rank(s) {ranks}: {type(first).__name__}: "
+        f"{first} (after every check passed: not taken as damage, the checkpoint is kept)",
         path=checkpoint_dir,
-        transient=any(isinstance(f, OSError) for f in failures),
+        transient=True,
     )
+
+
+def raise_interrupt(exc: CheckpointException) -> None:
+    """Raise the KeyboardInterrupt (or SystemExit, ...) DCP caught and wrapped, as it is:
+    Ctrl-C during a save or a restore must stop the program, not become a failed save
+    that a training loop may catch and go on from, or a damaged checkpoint to skip."""
+    for _rank, (inner, _trace) in sorted(exc.failures.items()):
+        if not isinstance(inner, Exception):
+            raise inner
 
 
 def safe_load(
@@ -430,6 +443,7 @@ def safe_load(
                 no_dist=single,
             )
     except CheckpointException as exc:
+        raise_interrupt(exc)
         raise _convert_checkpoint_exception(exc, reader, directory) from exc
     # dcp.load falls back to a rank-local metadata file when .metadata fails to
     # read; a tampered .metadata must still fail the load.

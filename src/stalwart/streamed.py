@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import io
 import itertools
 import os
 from collections.abc import Callable, Iterable
@@ -81,6 +82,9 @@ class StreamedFile:
     ) -> None:
         self.where = where
         self._fd = fd
+        # Owns fd: an io.FileIO closes it when dropped, in C, should an error raised
+        # into the thread (Ctrl-C) skip the close that cleanup code owes.
+        self._owner = io.FileIO(fd, "rb")
         self._identity = identity
         self._starts = sorted(a for a, _ in kept)
         self._spans = {a: (b, data) for (a, b), data in kept.items()}
@@ -150,9 +154,8 @@ class StreamedFile:
             done.result()  # the first error
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._fd = -1
+        self._owner.close()
 
 
 def keep_spans(items: Iterable[Span]) -> list[Span]:
@@ -184,7 +187,8 @@ def stream_check(
     """
     where = os.path.join(directory, entry.path)
     try:
-        with open_checkpoint_file(directory, entry.path) as (stream, size):
+        with open_checkpoint_file(directory, entry.path) as stream:
+            size = stream.size
             count()
             problem = size_problem(entry, size)
             if problem is not None:

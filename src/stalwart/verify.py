@@ -51,7 +51,7 @@ def read_manifest(path: Path) -> Manifest:
     manifest_path = path / MANIFEST_NAME
     where = str(manifest_path)
     try:
-        with open_checkpoint_file(path, MANIFEST_NAME) as (stream, _size):
+        with open_checkpoint_file(path, MANIFEST_NAME) as stream:
             # One byte past the limit is enough to know it is too large.
             text = stream.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError as exc:
@@ -137,8 +137,8 @@ def file_problems(
     for entry in manifest.files:
         try:
             # Opened, not stat()ed: stat would follow a link out of the checkpoint.
-            with open_checkpoint_file(path, entry.path) as (_stream, size):
-                pass
+            with open_checkpoint_file(path, entry.path) as stream:
+                size = stream.size
         except FileNotFoundError:
             problems.append(FileProblem(entry.path, "missing (listed in the manifest)"))
         except CheckpointCorruptError as exc:

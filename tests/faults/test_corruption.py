@@ -181,6 +181,39 @@ def test_read_error_skips_the_checkpoint_but_keeps_it(pristine: Pristine, tmp_pa
     assert_same(pristine.expected[3], snapshot(parts))
 
 
+def test_read_errors_on_every_checkpoint_stop_the_restore_instead_of_starting_over(
+    pristine: Pristine, tmp_path: Path
+) -> None:
+    """Every checkpoint failing in a way that may pass (a read error) is no reason to
+    train from step 0 and throw the run's progress away: restore raises, transient,
+    and keeps them all; once the error is gone the newest one restores."""
+    run = copy_run(pristine.run, tmp_path / "run")
+    data = next(f for f in pristine.files if f.endswith(".distcp"))
+    for step in (1, 2, 3):
+        target = run / f"step_{step:09d}" / data
+        target.rename(tmp_path / f"kept{step}")
+        target.symlink_to(target.name)  # a link to itself: stat() fails with ELOOP
+    parts = fresh_parts()
+    before = weights(parts)
+    with manager(run) as ckpt:
+        with pytest.raises(stalwart.CheckpointCorruptError, match="kept in place") as caught:
+            ckpt.restore(parts.state)
+        assert caught.value.transient
+        assert ckpt.all_steps() == [1, 2, 3]
+    assert_same(before, weights(parts))
+    for step in (1, 2, 3):
+        assert not moved_aside(run, step)
+    assert [e["step"] for e in events_of(run, "restore_skipped")] == [3, 2, 1]
+    assert not events_of(run, "restore_none")
+    for step in (1, 2, 3):
+        target = run / f"step_{step:09d}" / data
+        target.unlink()
+        (tmp_path / f"kept{step}").rename(target)
+    with manager(run) as ckpt:
+        assert ckpt.restore(parts.state) == 3
+    assert_same(pristine.expected[3], snapshot(parts))
+
+
 def test_failure_to_move_a_corrupt_step_aside_does_not_stop_the_fallback(
     pristine: Pristine, tmp_path: Path
 ) -> None:

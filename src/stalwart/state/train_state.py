@@ -278,9 +278,10 @@ class TrainState:
             if name in state_dict:
                 obj.load_state_dict(unblob(state_dict[name]))
         if self.extra is not None and "extra" in state_dict:
+            extra = unblob(state_dict["extra"])
             if strict:
                 self.extra.clear()
-            self.extra.update(unblob(state_dict["extra"]))
+            self.extra.update(extra)
         if self.rng and "rng" in state_dict:
             key = f"rank_{distributed.get_rank()}"
             ranks = state_dict["rng"]

@@ -553,7 +553,7 @@ def _local_chunks(checkpoint: Path, relative: str, expected: int) -> Iterator[by
     """
     where = checkpoint / relative
     try:
-        with open_checkpoint_file(checkpoint, relative) as (f, _size):
+        with open_checkpoint_file(checkpoint, relative) as f:
             left = expected + 1
             while left > 0 and (data := f.read(min(CHUNK, left))):
                 left -= len(data)
