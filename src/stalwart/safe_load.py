@@ -420,7 +420,8 @@ def safe_load(
 
     Raises ``UnsafeCheckpointError`` when metadata or a non-tensor value would
     need a full unpickler, ``CheckpointCorruptError`` for any other failure DCP
-    reports (truncated files, wrong sizes), ``StateMismatchError`` when
+    reports (transient unless a check of stalwart's found the damage: an error
+    after every check passed is no proof of it), ``StateMismatchError`` when
     ``state_dict`` has a key the checkpoint lacks and ``CheckpointNotFoundError``
     when ``checkpoint_dir`` is not a directory. DCP's ``CheckpointException``
     (a ``BaseException``) is chained as ``__cause__``.
