@@ -1131,11 +1131,76 @@ def job_certificate(workdir: str, calls: int = 2000, rounds: int = 5) -> dict[st
     }
 
 
+PER_CALL_METHODS = ("stalwart_sync", "stalwart_async", "torch_save", "dcp_save")
+
+
+def job_per_call(workdir: str, repeats: int) -> dict[str, Any]:
+    """Each method's cost per call apart from its bytes: the benchmark's state with its
+    tensors (the same 192: 8 blocks and their AdamW state) holding almost no bytes.
+
+    Saves (CPU time of every thread, as in ``job_timing``) and warm restores,
+    interleaved round by round; stalwart's restore also into fresh objects.
+    This is the per-tensor work every call pays at any size (planning, the
+    metadata, one record per tensor, the state-dict calls); at the benchmark's
+    sizes the rest is the part that grows with the bytes, which the physical
+    floors bound. Best of ``repeats`` rounds after one untimed round.
+    """
+    model, opt, state = build_state(TINY_BYTES)
+    root = Path(tempfile.mkdtemp(prefix="per-call-", dir=workdir))
+    methods = {name: METHODS[name](root / name, model, opt, state) for name in PER_CALL_METHODS}
+    target = _scrambled_copy(model, opt)
+    keys = ("cpu", "restore_warm", "restore_fresh_warm")
+    samples: dict[str, dict[str, list[float]]] = {n: {k: [] for k in keys} for n in methods}
+    latest: dict[str, Path] = {}
+    try:
+        for i in range(repeats + 1):
+            for name, m in methods.items():
+                settle()
+                cpu_before = cpu_seconds()
+                _, _, path = m.save(i)
+                cpu = cpu_seconds() - cpu_before
+                if name in latest:
+                    _remove_checkpoint(latest[name])
+                latest[name] = path
+                restores: dict[str, float] = {}
+                if m.restores:
+                    m.restore(path, *target)  # the warm restore reads from the page cache
+                    t0 = time.perf_counter()
+                    m.restore(path, *target)
+                    restores["restore_warm"] = time.perf_counter() - t0
+                    assert same_params(target[0], model), f"{name}: wrong parameters"
+                if name == "stalwart_sync":
+                    fresh = _fresh_target(TINY_BYTES)
+                    t0 = time.perf_counter()
+                    m.restore(path, *fresh)
+                    restores["restore_fresh_warm"] = time.perf_counter() - t0
+                    assert same_params(fresh[0], model), "fresh restore: wrong parameters"
+                if i == 0:
+                    continue  # first calls: lazy imports, a first layout's records
+                samples[name]["cpu"].append(cpu)
+                for key, seconds in restores.items():
+                    samples[name][key].append(seconds)
+        return {
+            "bytes": state_nbytes(model, opt),
+            "tensors": len(state_tensors(model, opt)),
+            "repeats": repeats,
+            "methods": {
+                name: {f"{k}_s": best(v) for k, v in smp.items() if v} | {"samples": smp}
+                for name, smp in samples.items()
+            },
+        }
+    finally:
+        for m in methods.values():
+            m.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 JOBS: dict[str, Callable[..., dict[str, Any]]] = {
     "timing": job_timing,
     "isolated": job_isolated,
     "train": job_train,
     "certificate": job_certificate,
+    "per_call": job_per_call,
 }
 
 

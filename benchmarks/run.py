@@ -341,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
             }
         print("exact-resume certificate:", file=sys.stderr, flush=True)
         results["certificate"] = runner.run("certificate", "fingerprint cost per step")
+        print("cost per call apart from the bytes:", file=sys.stderr, flush=True)
+        results["per_call"] = runner.run(
+            "per_call", "the same tensors holding almost no bytes", repeats=args.repeats
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     durable_md = ""

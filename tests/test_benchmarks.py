@@ -180,6 +180,34 @@ def test_quick_mode_measures_the_certificate_cost(quick_run: tuple[Path, dict]) 
     assert "## Exact-resume certificate: cost per step" in (out / "quick.md").read_text()
 
 
+def test_quick_mode_measures_each_methods_cost_per_call_and_splits_the_misses_by_it(
+    quick_run: tuple[Path, dict],
+) -> None:
+    """The same tensors holding almost no bytes: every method's save CPU time and warm
+    restore, and the CPU and restore targets' notes say how much of them it is."""
+    out, results = quick_run
+    per_call = results["per_call"]
+    assert "error" not in per_call, per_call
+    assert per_call["tensors"] == 192 and per_call["bytes"] < 2**20
+    methods = per_call["methods"]
+    assert set(methods) == {"stalwart_sync", "stalwart_async", "torch_save", "dcp_save"}
+    for name, m in methods.items():
+        assert positive(m["cpu_s"]), (name, m)
+        assert len(m["samples"]["cpu"]) == per_call["repeats"]
+    for name in RESTORING_METHODS:
+        assert positive(methods[name]["restore_warm_s"]), (name, methods[name])
+    assert positive(methods["stalwart_sync"]["restore_fresh_warm_s"])
+    by_target: dict[str, list[str]] = {}
+    for t in results["targets"]:
+        by_target.setdefault(t["target"], []).append(t["detail"])
+    for name in ("writer CPU time", "async save's CPU time", "restore (verified)"):
+        details = [d for target, ds in by_target.items() if target.startswith(name) for d in ds]
+        assert details and all("of these 192 tensors costs" in d for d in details), name
+    md = (out / "quick.md").read_text()
+    assert "## Cost per call apart from the bytes" in md
+    assert "| stalwart sync (a verified restore) |" in md
+
+
 def test_certificate_job_measures_the_per_step_cost(tmp_path: Path) -> None:
     """The job alone, small: every number is a real, positive time, and the markdown shows it."""
     spec = importlib.util.spec_from_file_location(
