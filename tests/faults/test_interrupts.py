@@ -36,13 +36,7 @@ descriptor now closes when it is dropped).
 from __future__ import annotations
 
 import contextlib
-import gc
-import inspect
-import os
-import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -50,74 +44,17 @@ import torch
 import stalwart
 
 from ..conftest import assert_same
-from ..support.interrupts import KILLED
+from ..support.interrupts import (
+    KILLED,
+    RaiseAtCall,
+    fds_settle,
+    names_the_error,
+    open_fds,
+    traced,
+)
 
 STRIDE = 5
 """Every 5th function entry: about 200 of a save's 1,000 (each of the 1,000 passes too)."""
-
-
-STALWART = str(Path(stalwart.__file__).parent)
-
-
-def ours(frame: Any) -> bool:
-    return frame is not None and frame.f_code.co_filename.startswith(STALWART)
-
-
-class RaiseAtCall:
-    """A trace function raising ``error`` at the ``at``-th entry of a function of
-    stalwart's, or of one it calls (``ThreadPoolExecutor.submit``, DCP's): not
-    deeper, where the standard library's own ``except Exception`` (logging's, for
-    one) swallows what it gets. Generators are left out: their entry may be
-    their close, where Python ignores any error."""
-
-    def __init__(self, at: int, error: BaseException) -> None:
-        # A fresh copy each time: one instance raised again and again would carry
-        # every earlier traceback along, and formatting it would grow without end.
-        self.at, self.error, self.calls = at, type(error)(*error.args), 0
-        self.where: str | None = None
-
-    def __call__(self, frame: Any, event: str, _arg: Any) -> None:
-        if event != "call" or frame.f_code.co_flags & inspect.CO_GENERATOR:
-            return
-        if ours(frame) or ours(frame.f_back):
-            self.calls += 1
-            if self.calls == self.at:
-                self.where = f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"
-                raise self.error
-
-
-def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
-
-
-def traced(trace: RaiseAtCall, fn: Any) -> BaseException | None:
-    sys.settrace(trace)
-    try:
-        fn()
-    except BaseException as exc:
-        return exc
-    finally:
-        sys.settrace(None)
-    return None
-
-
-def names_the_error(exc: BaseException | None, error: BaseException) -> bool:
-    while exc is not None:
-        if exc is error or (str(error) and str(error) in str(exc)):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def fds_settle(before: set[str]) -> set[str]:
-    """Descriptors opened since ``before`` still open once the last error is dropped
-    (a check still running in its thread closes its file when it ends)."""
-    for _ in range(100):
-        if open_fds() <= before:
-            break
-        gc.collect()
-        time.sleep(0.02)
-    return open_fds() - before
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

@@ -8,14 +8,29 @@ function can raise at an exact line, which makes such a race repeatable.
 
 from __future__ import annotations
 
+import gc
 import inspect
+import os
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-__all__ = ["KILLED", "raise_at", "raised_into"]
+import stalwart
+
+__all__ = [
+    "KILLED",
+    "RaiseAtCall",
+    "fds_settle",
+    "names_the_error",
+    "open_fds",
+    "raise_at",
+    "raised_into",
+    "traced",
+]
 
 KILLED = RuntimeError("DataLoader worker (pid 7) is killed by signal: Terminated.")
 """What DataLoader's SIGCHLD handler raises when a worker died of SIGTERM."""
@@ -47,3 +62,75 @@ def raised_into(code: Any, marker: str, error: BaseException, fn: Callable[[], A
     finally:
         sys.settrace(None)
     assert raised.value is error
+
+
+STALWART = str(Path(stalwart.__file__).parent)
+
+
+def ours(frame: Any) -> bool:
+    return frame is not None and frame.f_code.co_filename.startswith(STALWART)
+
+
+class RaiseAtCall:
+    """A trace function raising ``error`` at the ``at``-th entry of a function of
+    stalwart's, or of one it calls (``ThreadPoolExecutor.submit``, DCP's): not
+    deeper, where the standard library's own ``except Exception`` (logging's, for
+    one) swallows what it gets. Left out, where Python itself ignores any
+    error (a signal handler's too): generators, whose entry may be their close,
+    and weakref callbacks and finalizers, which run when an object dies."""
+
+    def __init__(self, at: int, error: BaseException) -> None:
+        # A fresh copy each time: one instance raised again and again would carry
+        # every earlier traceback along, and formatting it would grow without end.
+        self.at, self.error, self.calls = at, type(error)(*error.args), 0
+        self.where: str | None = None
+
+    def __call__(self, frame: Any, event: str, _arg: Any) -> None:
+        code = frame.f_code
+        if event != "call" or code.co_flags & inspect.CO_GENERATOR or _ignored_by_python(code):
+            return
+        if ours(frame) or ours(frame.f_back):
+            self.calls += 1
+            if self.calls == self.at:
+                self.where = f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"
+                raise self.error
+
+
+def _ignored_by_python(code: Any) -> bool:
+    return code.co_name == "__del__" or code.co_filename.endswith(
+        ("/weakref.py", "/_weakrefset.py")
+    )
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def traced(trace: RaiseAtCall, fn: Any) -> BaseException | None:
+    sys.settrace(trace)
+    try:
+        fn()
+    except BaseException as exc:
+        return exc
+    finally:
+        sys.settrace(None)
+    return None
+
+
+def names_the_error(exc: BaseException | None, error: BaseException) -> bool:
+    while exc is not None:
+        if exc is error or (str(error) and str(error) in str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def fds_settle(before: set[str]) -> set[str]:
+    """Descriptors opened since ``before`` still open once the last error is dropped
+    (a check still running in its thread closes its file when it ends)."""
+    for _ in range(100):
+        if open_fds() <= before:
+            break
+        gc.collect()
+        time.sleep(0.02)
+    return open_fds() - before

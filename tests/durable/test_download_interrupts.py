@@ -1,0 +1,123 @@
+"""An error raised into the training thread while a restore downloads from the durable tier.
+
+The local copy is gone (a new node), so ``restore`` fetches the checkpoint from
+the object store into a staging directory, checks it, commits it locally and
+loads it. Ctrl-C, or DataLoader's SIGCHLD handler raising RuntimeError, can
+land anywhere in that: here a trace function raises it at the N-th function
+entry of the download part (from ``RestoreWalk._download`` to the load), for N
+across all of it (``tests/faults/test_interrupts.py`` covers the load itself).
+
+After each: the error comes out (Ctrl-C as itself), no staging directory is
+left in the run, a local step directory exists only as a complete checkpoint
+that verifies, nothing is moved aside, no descriptor stays open once the error
+is dropped, and the next restore is exact. At the end the durable copy is
+still committed and verifies.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import stalwart
+from stalwart.pipeline import verify_checkpoint
+from stalwart.storage.durable import DurableTier
+
+from ..conftest import assert_same
+from ..support.interrupts import (
+    KILLED,
+    RaiseAtCall,
+    fds_settle,
+    names_the_error,
+    open_fds,
+    ours,
+    traced,
+)
+from .conftest import FAST, verify_durable
+
+STRIDE = 3
+"""Every 3rd function entry of the download part (about 70 of its 210 here)."""
+
+
+class RaiseInDownload(RaiseAtCall):
+    """``RaiseAtCall`` counting only the entries from the durable download's start
+    (``RestoreWalk._download``) to the load of what it fetched (``load_checkpoint``)."""
+
+    def __init__(self, at: int, error: BaseException) -> None:
+        super().__init__(at, error)
+        self.started = self.ended = False
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and ours(frame):
+            name = frame.f_code.co_name
+            self.started = self.started or name == "_download"
+            self.ended = self.ended or (self.started and name == "load_checkpoint")
+        if self.started and not self.ended:
+            super().__call__(frame, event, arg)
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("error", [KILLED, KeyboardInterrupt()], ids=["handler", "ctrl-c"])
+def test_an_error_raised_into_a_durable_download_at_any_call_loses_nothing(
+    tmp_path: Path, s3_env: dict[str, str], s3_bucket: str, error: BaseException
+) -> None:
+    url = f"s3://{s3_bucket}/interrupted"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    state = stalwart.TrainState(model=model, optimizer=opt)
+    run = tmp_path / "run"
+    durable = stalwart.DurableConfig(url=url, retry=FAST)
+    with stalwart.CheckpointManager(run, durable=durable, handle_signals=False) as ckpt:
+        ckpt.save(1, state, force=True)
+        assert ckpt.wait_durable(60)
+    wanted = {k: v.clone() for k, v in model.state_dict().items()}
+    local = run / "step_000000001"
+
+    def lose_the_local_copy() -> None:
+        shutil.rmtree(local, ignore_errors=True)
+        with torch.no_grad():
+            model[0].weight.add_(1.0)  # the next restore must put the values back
+
+    with stalwart.CheckpointManager(run, durable=durable, handle_signals=False) as ckpt:
+        lose_the_local_copy()
+        counting = RaiseInDownload(0, error)
+        assert traced(counting, lambda: ckpt.restore(state)) is None
+        assert counting.ended and counting.calls > 100, counting.calls  # the download was counted
+        assert_same(model.state_dict(), wanted)
+        raised = 0
+        for at in range(1, counting.calls + 1, STRIDE):
+            lose_the_local_copy()
+            fds = open_fds()
+            trace = RaiseInDownload(at, error)
+            got: list[int | None] = []
+            outcome = traced(trace, lambda got=got: got.append(ckpt.restore(state)))
+            where = trace.where
+            if outcome is None:
+                # Taken by a library's own `except Exception`: the restore went on, exactly.
+                assert got == [1] and isinstance(error, Exception), (where, got)
+                assert_same(model.state_dict(), wanted)
+            else:
+                raised += 1
+                assert names_the_error(outcome, trace.error), (where, outcome)
+                if not isinstance(trace.error, Exception):
+                    assert outcome is trace.error, (where, outcome)
+            leftovers = [p.name for p in run.iterdir() if p.name.startswith(".step_")]
+            assert not leftovers, (where, leftovers)  # no staging left, nothing moved aside
+            if local.exists():
+                assert verify_checkpoint(local).step == 1, where
+            outcome = trace.error.__traceback__ = None
+            assert not fds_settle(fds), (where, fds_settle(fds))
+            assert ckpt.restore(state) == 1, where
+            assert_same(model.state_dict(), wanted)
+        assert raised > counting.calls // STRIDE // 2, raised
+    tier = DurableTier(url, retry=FAST)
+    assert tier.committed_steps() == [1]
+    verify_durable(tier, 1, tmp_path)
