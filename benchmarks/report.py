@@ -361,8 +361,10 @@ def _per_call_restore(
     fixed = m["stalwart_sync"]["restore_fresh_warm_s" if fresh else "restore_warm_s"]
     took = rs[f"restore_{'fresh_' if fresh else ''}{'warm' if warm else 'cold'}_s"]
     raw = refs["raw_read_warm_s" if warm else "raw_read_cold_s"]
+    floor = refs.get("check_place_warm_s" if warm else "check_place_cold_s")
     rest = (
-        f"the raw read is {_div(raw, took - fixed):.2f}x the rest"
+        f"the rest, {_ms(took - fixed)}, is {_div(took - fixed, floor):.2f}x the floor's time "
+        f"(a raw read {_div(raw, took - fixed):.2f}x of it)"
         if took > fixed
         else "nothing is left above it"
     )

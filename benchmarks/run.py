@@ -134,6 +134,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=HERE / "results", help="output directory")
     p.add_argument("--name", help="output file stem (default: quick or full)")
+    p.add_argument(
+        "--render",
+        type=Path,
+        metavar="RESULTS.json",
+        help="measure nothing: write the targets, the markdown and the plot again from the "
+        "JSON of an earlier run (after a change to the report), next to it",
+    )
     p.add_argument("--workdir", help="where checkpoints are written (default: the system temp dir)")
     p.add_argument(
         "--timeout", type=float, help="seconds per measurement process (default 600; quick: 60)"
@@ -250,8 +257,35 @@ def lightning_status() -> str:
     return "not installed"
 
 
+def render(path: Path) -> int:
+    """Write the targets, the markdown and the plot of an earlier run again from its JSON."""
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        print(f"cannot read the results {path}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(results, dict) or "meta" not in results or "sizes" not in results:
+        print(f"{path} is not the JSON of a benchmark run (no meta and sizes)", file=sys.stderr)
+        return 2
+    results.pop("targets", None)
+    report.analyze(results)
+    durable_md = ""
+    durable = results.get("durable")
+    if durable and (path.parent / f"{durable['name']}.json").exists():
+        saved = json.loads((path.parent / f"{durable['name']}.json").read_text(encoding="utf-8"))
+        durable_md = durable_section(saved, durable["name"])
+    md = report.markdown(results) + durable_md
+    path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    path.with_suffix(".md").write_text(md, encoding="utf-8")
+    plot_note = report.plot(results, path.with_suffix(".png"))
+    print(f"wrote {path.with_suffix('.md')}, {path}; {plot_note}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render is not None:
+        return render(args.render)
     started = time.perf_counter()
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)

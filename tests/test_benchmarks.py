@@ -208,6 +208,28 @@ def test_quick_mode_measures_each_methods_cost_per_call_and_splits_the_misses_by
     assert "| stalwart sync (a verified restore) |" in md
 
 
+def test_render_writes_the_same_report_again_from_a_runs_json(
+    quick_run: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """--render measures nothing: from the JSON alone it writes the run's report again,
+    the targets recomputed (here by the same code, so the same markdown)."""
+    out, results = quick_run
+    json_path = tmp_path / "quick.json"
+    stripped = {k: v for k, v in results.items() if k != "targets"}
+    json_path.write_text(json.dumps(stripped), encoding="utf-8")
+    durable = f"{results['durable']['name']}.json"  # its section comes from its own JSON
+    (tmp_path / durable).write_bytes((out / durable).read_bytes())
+    render = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--render"]
+    proc = subprocess.run([*render, str(json_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "quick.md").read_text() == (out / "quick.md").read_text()
+    assert json.loads(json_path.read_text())["targets"] == results["targets"]
+    (tmp_path / "other.json").write_text('{"not": "a run"}', encoding="utf-8")
+    proc = subprocess.run([*render, str(tmp_path / "other.json")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "not the JSON of a benchmark run" in proc.stderr
+    assert not (tmp_path / "other.md").exists()
+
+
 def test_certificate_job_measures_the_per_step_cost(tmp_path: Path) -> None:
     """The job alone, small: every number is a real, positive time, and the markdown shows it."""
     spec = importlib.util.spec_from_file_location(
