@@ -470,13 +470,22 @@ PER_CALL_NAMES = {
 }
 
 
+def _section(results: dict[str, Any], key: str, heading: str, add: Any) -> dict[str, Any] | None:
+    """The heading of a section on ``results[key]``; its data, or None when there is
+    nothing (more) to show: not run, or its error shown instead."""
+    data = results.get(key)
+    if not data:
+        return None
+    add(f"## {heading}\n")
+    if "error" in data:
+        add(f"not measured: {data['error']}\n")
+        return None
+    return data
+
+
 def _per_call_section(results: dict[str, Any], add: Any) -> None:
-    per_call = results.get("per_call")
-    if not per_call:
-        return
-    add("## Cost per call apart from the bytes\n")
-    if "error" in per_call:
-        add(f"not measured: {per_call['error']}\n")
+    per_call = _section(results, "per_call", "Cost per call apart from the bytes", add)
+    if per_call is None:
         return
     add(
         f"The benchmark's state with its {per_call['tensors']} tensors holding "
@@ -501,12 +510,8 @@ def _us(seconds: float | None) -> str:
 
 
 def _certificate_section(results: dict[str, Any], add: Any) -> None:
-    cert = results.get("certificate")
-    if not cert:
-        return
-    add("## Exact-resume certificate: cost per step\n")
-    if "error" in cert:
-        add(f"not measured: {cert['error']}\n")
+    cert = _section(results, "certificate", "Exact-resume certificate: cost per step", add)
+    if cert is None:
         return
     add(
         "Every `save()` call fingerprints the step that ended (loss, RNG digest, batch digest "

@@ -230,8 +230,11 @@ def test_render_writes_the_same_report_again_from_a_runs_json(
     assert not (tmp_path / "other.md").exists()
 
 
-def test_certificate_job_measures_the_per_step_cost(tmp_path: Path) -> None:
+def test_certificate_job_measures_the_per_step_cost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The job alone, small: every number is a real, positive time, and the markdown shows it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # measure imports its neighbours
     spec = importlib.util.spec_from_file_location(
         "bench_measure", ROOT / "benchmarks" / "measure.py"
     )

@@ -25,6 +25,7 @@ __all__ = [
     "KILLED",
     "RaiseAtCall",
     "fds_settle",
+    "interrupted_restore",
     "names_the_error",
     "open_fds",
     "raise_at",
@@ -134,3 +135,21 @@ def fds_settle(before: set[str]) -> set[str]:
         gc.collect()
         time.sleep(0.02)
     return open_fds() - before
+
+
+def interrupted_restore(
+    trace: RaiseAtCall, restore: Callable[[], int | None], step: int, exact: Callable[[], None]
+) -> bool:
+    """Run ``restore`` under ``trace``: True when its error came out (Ctrl-C as itself),
+    False when a library's own ``except Exception`` took it (the fast decoder of a small
+    value falls back to torch.load) and the restore went on to ``step``, ``exact``."""
+    got: list[int | None] = []
+    outcome = traced(trace, lambda: got.append(restore()))
+    if outcome is None:
+        assert got == [step] and isinstance(trace.error, Exception), (trace.where, got)
+        exact()
+        return False
+    assert names_the_error(outcome, trace.error), (trace.where, outcome)
+    if not isinstance(trace.error, Exception):
+        assert outcome is trace.error, (trace.where, outcome)
+    return True
