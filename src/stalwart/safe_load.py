@@ -78,6 +78,7 @@ __all__ = [
     "read_dcp_metadata",
     "safe_load",
     "tensor_table",
+    "weights_only_detail",
 ]
 
 
@@ -152,7 +153,7 @@ class SafeFileSystemReader(FileSystemReader):
             raise
 
 
-def _weights_only_detail(exc: BaseException) -> str:
+def weights_only_detail(exc: BaseException) -> str:
     # torch wraps the refusal in a page of advice and chains the original, which
     # names what was refused ("Unsupported global: GLOBAL getattr ...",
     # "... GLOBAL posix.system whose module posix is blocked").
@@ -320,7 +321,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             # opcode it refuses.
             raise UnsafeCheckpointError(
                 f"non-tensor value {fqn!r}: refused by torch.load(weights_only=True): "
-                f"{_weights_only_detail(exc)}"
+                f"{weights_only_detail(exc)}"
             ) from exc
         except Exception as exc:
             # Its bytes passed their checksum: not proof of damage (transient, see

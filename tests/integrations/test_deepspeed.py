@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from stalwart.manifest import Manifest, hash_file
+from stalwart.errors import CheckpointCorruptError, UnsafeCheckpointError
+from stalwart.manifest import FileEntry, Manifest, hash_file
 from tests.conftest import flip_byte
+from tests.support.interrupts import KILLED, RaiseAtCall, names_the_error, traced
 from tests.support.torchrun import ok, starts, torchrun
 
 pytest.importorskip("deepspeed", reason="the stalwart[deepspeed] extra is not installed")
@@ -126,6 +128,46 @@ def test_a_crafted_pickle_with_a_matching_manifest_is_refused_and_never_run(
     assert not marker.exists()
     assert "rank 0 start 4" in out
     assert_resumed_exactly(tmp_path / "resumed.pt", tmp_path / "ref.pt", start=4)
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.parametrize("error", [KILLED, KeyboardInterrupt()], ids=["handler", "ctrl-c"])
+def test_an_error_raised_into_a_files_decode_is_never_taken_for_damage(
+    tmp_path: Path, error: BaseException
+) -> None:
+    """An error raised into the training thread at any call of the decode of a DeepSpeed
+    file whose bytes matched their checksum (DataLoader's handler's RuntimeError, Ctrl-C):
+    it comes out as itself or as a transient CheckpointCorruptError, never as the
+    UnsafeCheckpointError that moves a good checkpoint aside; a crafted pickle still is."""
+    from stalwart.integrations.deepspeed import _decode
+
+    name = "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.arange(6.0)}, "global_steps": 3}, tmp_path / name)
+    size, digest = hash_file(tmp_path / name)
+    manifest = Manifest(step=3, files=[FileEntry(path=name, size=size, xxh3_128=digest)])
+    counting = RaiseAtCall(0, error)
+    assert traced(counting, lambda: _decode(tmp_path, manifest, name, "cpu")) is None
+    assert counting.calls > 20, counting.calls  # torch.load's own calls are counted too
+    for at in range(1, counting.calls + 1):
+        trace = RaiseAtCall(at, error)
+        outcome = traced(trace, lambda: _decode(tmp_path, manifest, name, "cpu"))
+        if outcome is None:
+            assert isinstance(error, Exception), trace.where  # a library's except took it
+            continue
+        assert names_the_error(outcome, trace.error), (trace.where, outcome)
+        assert not isinstance(outcome, UnsafeCheckpointError), (trace.where, outcome)
+        if isinstance(outcome, CheckpointCorruptError):
+            assert outcome.transient, (trace.where, outcome)
+        elif not isinstance(error, Exception):
+            assert outcome is trace.error, (trace.where, outcome)
+    buf = io.BytesIO()
+    torch.save({"module": RunsCode(tmp_path / "ran")}, buf)
+    (tmp_path / name).write_bytes(buf.getvalue())
+    size, digest = hash_file(tmp_path / name)
+    manifest = Manifest(step=3, files=[FileEntry(path=name, size=size, xxh3_128=digest)])
+    with pytest.raises(UnsafeCheckpointError, match=r"refused by torch\.load"):
+        _decode(tmp_path, manifest, name, "cpu")
+    assert not (tmp_path / "ran").exists()
 
 
 def killed_torchrun(tmp_path: Path, stage: int, *kill: str) -> subprocess.CompletedProcess[str]:

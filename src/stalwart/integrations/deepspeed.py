@@ -41,6 +41,7 @@ import functools
 import io
 import logging
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Iterator, Mapping
@@ -66,6 +67,7 @@ from stalwart.manager import CheckpointManager
 from stalwart.manifest import Manifest
 from stalwart.pipeline import read_manifest
 from stalwart.reader import VerifiedFiles
+from stalwart.safe_load import weights_only_detail
 from stalwart.state import TrainState
 from stalwart.state.plain import check_plain
 from stalwart.storage.local import LocalStorage
@@ -451,24 +453,33 @@ def _decode(step_path: Path, manifest: Manifest, relative: str, map_location: An
     there: the bytes that are checked are the bytes decoded, so a file changed
     after verification cannot slip in. Raises ``CheckpointCorruptError`` for a
     file the manifest does not list, another size or checksum (``transient``
-    when it cannot be read), or content ``torch.load(weights_only=True)`` refuses.
+    when it cannot be read), or content ``torch.load(weights_only=True)`` refuses
+    (``UnsafeCheckpointError``); any other error of the decode is ``transient``:
+    the bytes matched their checksum, so it is no proof of damage.
     """
     files = VerifiedFiles(step_path, manifest)
     try:
         data = io.BytesIO(files.held(relative).view)
     finally:
         files.close()  # the checked bytes live on in ``data`` only, while they are decoded
+    where = step_path / relative
     try:
         with _allowlisted():
             return torch.load(data, map_location=map_location, weights_only=True)
-    except Exception as exc:
-        where = step_path / relative
-        # torch wraps the refusal (what was refused) in a page of advice: name the refusal.
-        detail = str(exc.__context__ or exc).strip().splitlines()
+    except pickle.UnpicklingError as exc:
+        # torch's weights-only unpickler raises this for every global or opcode it refuses.
         raise UnsafeCheckpointError(
-            f"{where}: refused by torch.load(weights_only=True): "
-            f"{detail[0] if detail else type(exc).__name__}",
+            f"{where}: refused by torch.load(weights_only=True): {weights_only_detail(exc)}",
             path=str(where),
+        ) from exc
+    except Exception as exc:
+        # Its bytes matched their checksum: anything else that fails here (an error
+        # raised into this thread, DataLoader's handler's) is no proof of damage.
+        raise CheckpointCorruptError(
+            f"{where}: unreadable after its checksum matched ({type(exc).__name__}: {exc}); "
+            "not taken as damage, the checkpoint is kept: restart the job",
+            path=str(where),
+            transient=True,
         ) from exc
 
 
