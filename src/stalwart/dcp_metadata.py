@@ -261,6 +261,11 @@ _BASE_BUILD = pickle._Unpickler.dispatch[pickle.BUILD[0]]
 _STOP: type[Exception] = pickle._Stop  # type: ignore[attr-defined]
 
 
+_MALFORMED: tuple[type[Exception], ...] = (pickle.UnpicklingError, EOFError, struct.error)
+_MALFORMED += (LookupError, TypeError, ValueError, AttributeError, ArithmeticError, RecursionError)
+"""What the restricted unpickler and the inert constructors raise for malformed bytes."""
+
+
 def _unpickle_metadata(
     stream: IO[bytes], size: int, where: str, file_size: Callable[[str], int]
 ) -> Metadata:
@@ -276,14 +281,22 @@ def _unpickle_metadata(
             f"{where}: {exc} (only DCP metadata classes are allowed); {_TAMPERED}",
             path=where,
         ) from exc
-    except Exception as exc:
-        # Only inert constructors can run, so anything raised here (EOFError,
-        # UnpicklingError, KeyError from a bad memo index, TypeError, ...) means
-        # the bytes are not a well-formed metadata pickle.
+    except _MALFORMED as exc:
+        # Only inert constructors can run, so these (EOFError, KeyError from a bad
+        # memo index, ...) mean the bytes are not a well-formed metadata pickle.
         raise CheckpointCorruptError(
             f"{where}: not a readable DCP metadata file (truncated or not a pickle: "
             f"{type(exc).__name__}: {exc})",
             path=where,
+        ) from exc
+    except Exception as exc:
+        # Anything else (an error raised into this thread: DataLoader's handler
+        # raises RuntimeError when a worker dies) is no proof of damage.
+        raise CheckpointCorruptError(
+            f"{where}: reading the metadata failed ({type(exc).__name__}: {exc}); not "
+            "taken as damage, the checkpoint is kept",
+            path=where,
+            transient=True,
         ) from exc
     return _check_bounds(_check_structure(obj, where), where, file_size)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -30,11 +29,10 @@ from stalwart.storage.durable import DurableTier
 from ..conftest import assert_same
 from ..support.interrupts import (
     KILLED,
-    RaiseAtCall,
+    RaiseBetween,
     fds_settle,
     interrupted_restore,
     open_fds,
-    ours,
     traced,
 )
 from .conftest import FAST, verify_durable
@@ -43,21 +41,9 @@ STRIDE = 3
 """Every 3rd function entry of the download part (about 70 of its 210 here)."""
 
 
-class RaiseInDownload(RaiseAtCall):
-    """``RaiseAtCall`` counting only the entries from the durable download's start
-    (``RestoreWalk._download``) to the load of what it fetched (``load_checkpoint``)."""
-
-    def __init__(self, at: int, error: BaseException) -> None:
-        super().__init__(at, error)
-        self.started = self.ended = False
-
-    def __call__(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and ours(frame):
-            name = frame.f_code.co_name
-            self.started = self.started or name == "_download"
-            self.ended = self.ended or (self.started and name == "load_checkpoint")
-        if self.started and not self.ended:
-            super().__call__(frame, event, arg)
+def in_download(at: int, error: BaseException) -> RaiseBetween:
+    """Counting the entries from the durable download's start to the load of what it fetched."""
+    return RaiseBetween(at, error, "_download", "load_checkpoint")
 
 
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
@@ -88,7 +74,7 @@ def test_an_error_raised_into_a_durable_download_at_any_call_loses_nothing(
 
     with stalwart.CheckpointManager(run, durable=durable, handle_signals=False) as ckpt:
         lose_the_local_copy()
-        counting = RaiseInDownload(0, error)
+        counting = in_download(0, error)
         assert traced(counting, lambda: ckpt.restore(state)) is None
         assert counting.ended and counting.calls > 100, counting.calls  # the download was counted
         assert_same(model.state_dict(), wanted)
@@ -96,7 +82,7 @@ def test_an_error_raised_into_a_durable_download_at_any_call_loses_nothing(
         for at in range(1, counting.calls + 1, STRIDE):
             lose_the_local_copy()
             fds = open_fds()
-            trace = RaiseInDownload(at, error)
+            trace = in_download(at, error)
             raised += interrupted_restore(
                 trace,
                 lambda: ckpt.restore(state),

@@ -44,9 +44,11 @@ import torch
 import stalwart
 
 from ..conftest import assert_same
+from ..hostile.harness import resign
 from ..support.interrupts import (
     KILLED,
     RaiseAtCall,
+    RaiseBetween,
     fds_settle,
     interrupted_restore,
     names_the_error,
@@ -170,3 +172,55 @@ def test_an_error_raised_into_a_restore_at_any_call_keeps_the_checkpoint(
             assert_same(model.state_dict(), wanted)
             assert extra == {"k": 1}, where
         assert raised > counting.calls // RESTORE_STRIDE // 2, raised
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.parametrize("error", [KILLED, KeyboardInterrupt()], ids=["handler", "ctrl-c"])
+def test_an_error_raised_into_the_metadata_pickles_read_keeps_the_checkpoint(
+    tmp_path: Path, error: BaseException
+) -> None:
+    """A checkpoint without the JSON twin (an older stalwart's): its metadata comes from
+    DCP's pickle, through the restricted pure-Python unpickler (a call per opcode). An
+    error raised into any of about 80 points spread over that read comes out, and the
+    checkpoint is neither moved aside nor skipped (DataLoader's handler's error was
+    taken for a malformed pickle, and the only checkpoint moved aside)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    state = stalwart.TrainState(model=model, optimizer=opt)
+    run = tmp_path / "run"
+    with stalwart.CheckpointManager(run, handle_signals=False) as ckpt:
+        ckpt.save(1, state, force=True)
+    wanted = {k: v.clone() for k, v in model.state_dict().items()}
+    step = run / "step_000000001"
+    (step / ".metadata.json").unlink()
+    resign(
+        step,
+        lambda body: body.update(files=[e for e in body["files"] if e["path"] != ".metadata.json"]),
+    )
+
+    def unpickling(at: int) -> RaiseBetween:
+        return RaiseBetween(at, error, "_unpickle_metadata", "_check_structure")
+
+    with stalwart.CheckpointManager(run, handle_signals=False) as ckpt:
+        counting = unpickling(0)
+        assert traced(counting, lambda: ckpt.restore(state)) is None
+        assert counting.ended and counting.calls > 1000, counting.calls  # the unpickler's calls
+        raised = 0
+        for at in range(1, counting.calls + 1, counting.calls // 80):
+            with torch.no_grad():
+                model[0].weight.add_(1.0)  # the next restore must put the values back
+            trace = unpickling(at)
+            raised += interrupted_restore(
+                trace,
+                lambda: ckpt.restore(state),
+                1,
+                lambda: assert_same(model.state_dict(), wanted),
+            )
+            assert step.is_dir() and not list(run.glob(".step_*")), trace.where
+            trace.error.__traceback__ = None
+            assert ckpt.restore(state) == 1, trace.where
+            assert_same(model.state_dict(), wanted)
+        assert raised >= 40, raised

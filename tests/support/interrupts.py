@@ -24,6 +24,7 @@ import stalwart
 __all__ = [
     "KILLED",
     "RaiseAtCall",
+    "RaiseBetween",
     "fds_settle",
     "interrupted_restore",
     "names_the_error",
@@ -95,6 +96,24 @@ class RaiseAtCall:
             if self.calls == self.at:
                 self.where = f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"
                 raise self.error
+
+
+class RaiseBetween(RaiseAtCall):
+    """``RaiseAtCall`` counting only the entries from the first entry of stalwart's
+    function ``start`` to the first entry of its function ``end`` after it."""
+
+    def __init__(self, at: int, error: BaseException, start: str, end: str) -> None:
+        super().__init__(at, error)
+        self.start, self.end = start, end
+        self.started = self.ended = False
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and ours(frame):
+            name = frame.f_code.co_name
+            self.started = self.started or name == self.start
+            self.ended = self.ended or (self.started and name == self.end)
+        if self.started and not self.ended:
+            super().__call__(frame, event, arg)
 
 
 def _ignored_by_python(code: Any) -> bool:
