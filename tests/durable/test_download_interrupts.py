@@ -16,8 +16,13 @@ still committed and verifies.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +30,7 @@ import torch
 import stalwart
 from stalwart.pipeline import verify_checkpoint
 from stalwart.storage.durable import DurableTier
+from stalwart.storage.remote import RetryPolicy
 
 from ..conftest import assert_same
 from ..support.interrupts import (
@@ -35,7 +41,7 @@ from ..support.interrupts import (
     open_fds,
     traced,
 )
-from .conftest import FAST, verify_durable
+from .conftest import FAST, use_endpoint, verify_durable
 
 STRIDE = 3
 """Every 3rd function entry of the download part (about 70 of its 210 here)."""
@@ -102,3 +108,37 @@ def test_an_error_raised_into_a_durable_download_at_any_call_loses_nothing(
     tier = DurableTier(url, retry=FAST)
     assert tier.committed_steps() == [1]
     verify_durable(tier, 1, tmp_path)
+
+
+def test_ctrl_c_stops_a_download_whose_requests_are_being_retried(
+    tmp_path: Path, s3_env: dict[str, str], s3_bucket: str, fault_proxy: Any, monkeypatch: Any
+) -> None:
+    """A real SIGINT while every range request of a download fails (the store is down) and
+    is retried on the transfer threads: KeyboardInterrupt comes out within seconds, not
+    once each request's retries reach their deadline (a minute here, 15 by default)."""
+    url = f"s3://{s3_bucket}/stuck"
+    torch.manual_seed(0)
+    state = stalwart.TrainState(model=torch.nn.Sequential(torch.nn.Linear(64, 64)))
+    with stalwart.CheckpointManager(
+        tmp_path / "run", durable=stalwart.DurableConfig(url=url, retry=FAST), handle_signals=False
+    ) as ckpt:
+        ckpt.save(1, state, force=True)
+        assert ckpt.wait_durable(60)
+    manifest_bytes = DurableTier(url, retry=FAST).manifest_bytes(1)
+    use_endpoint(monkeypatch, fault_proxy.endpoint)
+    fault_proxy.down = True
+    patient = RetryPolicy(initial_backoff=0.2, max_backoff=1.0, deadline=60.0, request_timeout=5.0)
+    tier = DurableTier(url, retry=patient)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    started = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tier.download(1, dest, manifest_bytes=manifest_bytes)
+    finally:
+        timer.cancel()
+    took = time.monotonic() - started
+    assert fault_proxy.failures["down"] > 0  # the requests did fail and retry
+    assert took < 10, f"Ctrl-C took {took:.1f} s to stop the download"

@@ -148,10 +148,15 @@ class DurableTier:
         self.client = open_client(url, options=options, retry=self.retry, backend=backend)
         self.url = self.client.url
         self._stop = threading.Event()
+        self._transfers: set[threading.Event] = set()  # each running _parallel's stop
+        self._transfers_lock = threading.Lock()
 
     def stop(self) -> None:
         """Make every retry loop give up at its next wait (the manager is closing)."""
         self._stop.set()
+        with self._transfers_lock:
+            for stop in self._transfers:
+                stop.set()
 
     def __repr__(self) -> str:
         return f"DurableTier({self.url!r})"
@@ -515,32 +520,60 @@ class DurableTier:
             if on_retry is not None:
                 on_retry(what, attempt, delay, error)
 
+        stop = getattr(_transfer, "stop", None) or self._stop
         return with_retries(
             operation,
             policy or self.retry,
             what=what,
             on_retry=note,
-            should_stop=self._stop.is_set,
-            sleep=self._stop.wait,
+            should_stop=stop.is_set,
+            sleep=stop.wait,
         )
 
-    @staticmethod
-    def _parallel(fn: Callable[[Any], None], items: list[Any]) -> None:
+    def _parallel(self, fn: Callable[[Any], None], items: list[Any]) -> None:
         """``fn`` over ``items`` on up to 8 threads; the first error (in item order) is raised
-        once the running calls end, and the calls not yet started are dropped."""
+        once the running calls end, and the calls not yet started are dropped.
+
+        An error, or one raised into the calling thread (Ctrl-C), makes the running
+        calls' retries give up at once: without that, Ctrl-C during a download from a
+        store that is down waited for every request's retry deadline (15 minutes by
+        default) before it came out.
+        """
         if len(items) <= 1:
             for item in items:
                 fn(item)
             return
-        with concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(8, len(items)), thread_name_prefix="stalwart-transfer"
-        ) as pool:
+        stop = threading.Event()
+        with self._transfers_lock:
+            self._transfers.add(stop)
+        if self._stop.is_set():
+            stop.set()
+
+        def run(item: Any) -> None:
+            _transfer.stop = stop
             try:
-                for _ in pool.map(fn, items):
-                    pass
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
+                fn(item)
+            finally:
+                _transfer.stop = None
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(
+                max_workers=min(8, len(items)), thread_name_prefix="stalwart-transfer"
+            ) as pool:
+                try:
+                    for _ in pool.map(run, items):
+                        pass
+                except BaseException:
+                    stop.set()
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise
+        finally:
+            with self._transfers_lock:
+                self._transfers.discard(stop)
+
+
+_transfer = threading.local()
+"""``stop``: the stop event of the ``_parallel`` transfer this thread works for."""
 
 
 def _local_chunks(checkpoint: Path, relative: str, expected: int) -> Iterator[bytes]:
