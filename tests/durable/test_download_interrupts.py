@@ -39,6 +39,7 @@ from ..support.interrupts import (
     fds_settle,
     interrupted_restore,
     open_fds,
+    small_state,
     traced,
 )
 from .conftest import FAST, use_endpoint, verify_durable
@@ -59,12 +60,7 @@ def test_an_error_raised_into_a_durable_download_at_any_call_loses_nothing(
     tmp_path: Path, s3_env: dict[str, str], s3_bucket: str, error: BaseException
 ) -> None:
     url = f"s3://{s3_bucket}/interrupted"
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.ones(2, 64)).sum().backward()
-    opt.step()
-    state = stalwart.TrainState(model=model, optimizer=opt)
+    model, _opt, state = small_state()
     run = tmp_path / "run"
     durable = stalwart.DurableConfig(url=url, retry=FAST)
     with stalwart.CheckpointManager(run, durable=durable, handle_signals=False) as ckpt:
@@ -89,12 +85,7 @@ def test_an_error_raised_into_a_durable_download_at_any_call_loses_nothing(
             lose_the_local_copy()
             fds = open_fds()
             trace = in_download(at, error)
-            raised += interrupted_restore(
-                trace,
-                lambda: ckpt.restore(state),
-                1,
-                lambda: assert_same(model.state_dict(), wanted),
-            )
+            raised += interrupted_restore(trace, ckpt, state, model, wanted)
             where = trace.where
             leftovers = [p.name for p in run.iterdir() if p.name.startswith(".step_")]
             assert not leftovers, (where, leftovers)  # no staging left, nothing moved aside

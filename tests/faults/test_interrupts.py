@@ -53,6 +53,7 @@ from ..support.interrupts import (
     interrupted_restore,
     names_the_error,
     open_fds,
+    small_state,
     traced,
 )
 
@@ -67,12 +68,7 @@ def test_an_error_raised_into_a_save_at_any_call_loses_nothing(
 ) -> None:
     """Async: the training thread's part (the state dict, the staging copy, the
     hand-off to the background writer), with ``wait`` after each save."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.ones(2, 64)).sum().backward()
-    opt.step()
-    state = stalwart.TrainState(model=model, optimizer=opt, extra={"k": 1})
+    model, _opt, state = small_state(extra={"k": 1})
     run = tmp_path / "run"
     wanted: dict[int, dict[str, torch.Tensor]] = {}
     with stalwart.CheckpointManager(
@@ -137,13 +133,8 @@ RESTORE_STRIDE = 13
 def test_an_error_raised_into_a_restore_at_any_call_keeps_the_checkpoint(
     tmp_path: Path, error: BaseException
 ) -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.ones(2, 64)).sum().backward()
-    opt.step()
     extra = {"k": 1}
-    state = stalwart.TrainState(model=model, optimizer=opt, extra=extra)
+    model, _opt, state = small_state(extra)
     run = tmp_path / "run"
     with stalwart.CheckpointManager(run, keep_last=3, handle_signals=False) as ckpt:
         ckpt.save(1, state, force=True)
@@ -157,12 +148,7 @@ def test_an_error_raised_into_a_restore_at_any_call_keeps_the_checkpoint(
                 model[0].weight.add_(1.0)  # the next restore must put the values back
             fds = open_fds()
             trace = RaiseAtCall(at, error)
-            raised += interrupted_restore(
-                trace,
-                lambda: ckpt.restore(state),
-                1,
-                lambda: assert_same(model.state_dict(), wanted),
-            )
+            raised += interrupted_restore(trace, ckpt, state, model, wanted)
             where = trace.where
             assert (run / "step_000000001").is_dir(), where
             assert not list(run.glob(".step_*")), where  # nothing moved aside
@@ -184,12 +170,7 @@ def test_an_error_raised_into_the_metadata_pickles_read_keeps_the_checkpoint(
     error raised into any of about 80 points spread over that read comes out, and the
     checkpoint is neither moved aside nor skipped (DataLoader's handler's error was
     taken for a malformed pickle, and the only checkpoint moved aside)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.ones(2, 64)).sum().backward()
-    opt.step()
-    state = stalwart.TrainState(model=model, optimizer=opt)
+    model, _opt, state = small_state()
     run = tmp_path / "run"
     with stalwart.CheckpointManager(run, handle_signals=False) as ckpt:
         ckpt.save(1, state, force=True)
@@ -213,12 +194,7 @@ def test_an_error_raised_into_the_metadata_pickles_read_keeps_the_checkpoint(
             with torch.no_grad():
                 model[0].weight.add_(1.0)  # the next restore must put the values back
             trace = unpickling(at)
-            raised += interrupted_restore(
-                trace,
-                lambda: ckpt.restore(state),
-                1,
-                lambda: assert_same(model.state_dict(), wanted),
-            )
+            raised += interrupted_restore(trace, ckpt, state, model, wanted)
             assert step.is_dir() and not list(run.glob(".step_*")), trace.where
             trace.error.__traceback__ = None
             assert ckpt.restore(state) == 1, trace.where

@@ -31,6 +31,7 @@ __all__ = [
     "open_fds",
     "raise_at",
     "raised_into",
+    "small_state",
     "traced",
 ]
 
@@ -157,18 +158,34 @@ def fds_settle(before: set[str]) -> set[str]:
 
 
 def interrupted_restore(
-    trace: RaiseAtCall, restore: Callable[[], int | None], step: int, exact: Callable[[], None]
+    trace: RaiseAtCall, ckpt: Any, state: Any, model: Any, wanted: dict[str, Any], step: int = 1
 ) -> bool:
-    """Run ``restore`` under ``trace``: True when its error came out (Ctrl-C as itself),
-    False when a library's own ``except Exception`` took it (the fast decoder of a small
-    value falls back to torch.load) and the restore went on to ``step``, ``exact``."""
+    """``ckpt.restore(state)`` under ``trace``: True when its error came out (Ctrl-C as
+    itself), False when a library's own ``except Exception`` took it (the fast decoder of
+    a small value falls back to torch.load) and the restore went on to ``step``, leaving
+    ``model`` with the ``wanted`` state dict."""
+    from ..conftest import assert_same
+
     got: list[int | None] = []
-    outcome = traced(trace, lambda: got.append(restore()))
+    outcome = traced(trace, lambda: got.append(ckpt.restore(state)))
     if outcome is None:
         assert got == [step] and isinstance(trace.error, Exception), (trace.where, got)
-        exact()
+        assert_same(model.state_dict(), wanted)
         return False
     assert names_the_error(outcome, trace.error), (trace.where, outcome)
     if not isinstance(trace.error, Exception):
         assert outcome is trace.error, (trace.where, outcome)
     return True
+
+
+def small_state(extra: dict[str, Any] | None = None) -> tuple[Any, Any, stalwart.TrainState]:
+    """A two-layer model and its Adam after one step (so with optimizer state), and their
+    ``TrainState`` (with ``extra``): what the interrupt sweeps save and restore."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    return model, opt, stalwart.TrainState(model=model, optimizer=opt, extra=extra)
