@@ -158,7 +158,7 @@ def analyze(results: dict[str, Any]) -> None:
                     f"sync save {_ms(ss['e2e_s'])} = write {_ms(ev['write_s'])} + checksum "
                     f"{_ms(ev['checksum_s'])} + commit {_ms(ev['commit_s'])} + state_dict/other "
                     f"{_ms(ss['e2e_s'] - ev['write_s'] - ev['checksum_s'] - ev['commit_s'])}; "
-                    f"raw write {_ms(refs['raw_write_s'])}",
+                    f"raw write {_ms(refs['raw_write_s'])}" + _direct_write(ss, refs),
                 )
             )
             cpu_x = _div(ss.get("cpu_s"), refs.get("raw_write_cpu_s"))
@@ -328,6 +328,17 @@ def _checksummed_floor(refs: dict[str, Any]) -> str:
 def _per_call(results: dict[str, Any]) -> dict[str, Any] | None:
     per_call = results.get("per_call")
     return per_call if per_call and "error" not in per_call else None
+
+
+def _direct_write(sync: dict[str, Any], refs: dict[str, Any]) -> str:
+    """The persist row's comparison with a raw direct write of the same bytes, if measured."""
+    direct = refs.get("raw_write_direct_s")
+    if not direct:
+        return ""
+    return (
+        f"; raw direct write (O_DIRECT, how stalwart writes large tensors) {_ms(direct)}: "
+        f"the sync save is {_num(direct / sync['e2e_s'])}x its throughput"
+    )
 
 
 def _per_call_cpu(
@@ -596,6 +607,19 @@ def _size_section(entry: dict[str, Any], meta: dict[str, Any], add: Any) -> None
         "",
         "floor of persist (a new file)",
     )
+    if direct := refs.get("raw_write_direct_s"):
+        row(
+            "*ref: raw sequential direct write (O_DIRECT) + fsync*",
+            "",
+            "",
+            _ms(direct),
+            f"{mibs / direct:,.0f}",
+            _num(refs["raw_write_s"] / direct),
+            _ms(refs.get("raw_write_direct_cpu_s")),
+            _num(_div(refs.get("raw_write_direct_cpu_s"), wcpu)),
+            "",
+            "the same bytes past the page cache, as stalwart writes large tensors",
+        )
     r = entry["ratios"]
     for name, m in methods.items():
         if not _ok(m):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,42 @@ def test_quick_mode_measures_every_physical_reference(quick_run: tuple[Path, dic
         for key in REFERENCES:
             assert positive(refs[key]), (entry["label"], key, refs.get(key))
         assert positive(entry["bytes"])
+
+
+def direct_io_works(directory: Path) -> bool:
+    """Whether the filesystem of ``directory`` takes O_DIRECT (tmpfs refuses it)."""
+    probe = directory / "direct-probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return False
+    os.close(fd)
+    probe.unlink()
+    return bool(getattr(os, "O_DIRECT", 0))
+
+
+@pytest.mark.slow
+def test_quick_mode_measures_a_raw_direct_write_and_compares_persist_with_it(
+    quick_run: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Stalwart writes large tensors past the page cache: the report also shows what a
+    raw direct write of the same bytes does on this disk, next to the buffered one."""
+    out, results = quick_run
+    if not direct_io_works(tmp_path_factory.getbasetemp()):
+        assert all("raw_write_direct_s" not in e["references"] for e in results["sizes"])
+        return
+    md = (out / "quick.md").read_text(encoding="utf-8")
+    assert md.count("*ref: raw sequential direct write (O_DIRECT) + fsync*") == 2
+    for entry in results["sizes"]:
+        refs = entry["references"]
+        assert positive(refs["raw_write_direct_s"]), refs
+        assert positive(refs["raw_write_direct_cpu_s"]), refs
+        assert len(refs["samples"]["write_direct"]) == len(refs["samples"]["write"])
+    persist = [t for t in results["targets"] if t["target"].startswith("persist")]
+    assert len(persist) == 2
+    for row in persist:
+        assert "raw direct write (O_DIRECT" in row["detail"], row
+    assert not list((tmp_path_factory.getbasetemp()).rglob("direct*.bin")), "left behind"
 
 
 @pytest.mark.slow
