@@ -671,6 +671,13 @@ def _raw_write_and_read(refs: References, i: int, samples: dict[str, list[float]
 INTERLEAVED = tuple(name for name in METHODS if name != "dcp_async_process")
 
 
+def _rotated(names: list[str], i: int) -> list[str]:
+    """``names`` in round ``i``'s order: rotated by one each round, so that no method is
+    always the one right after the references' large writes, reads and deletes."""
+    k = i % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
 def job_timing(state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
     """Time every method and every reference on one state, interleaved: each round runs
     all of them once, so a neighbour's burst on a shared machine hits them alike.
@@ -715,7 +722,8 @@ def job_timing(state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
             _raw_write_and_read(refs, i, ref_samples)
             if i > repeats:
                 continue  # the references get at least three rounds: every ratio divides by them
-            for name, m in methods.items():
+            for name in _rotated(list(methods), i):
+                m = methods[name]
                 settle()
                 cpu_before = cpu_seconds()
                 stall, e2e, path = m.save(i)

@@ -267,10 +267,8 @@ def test_render_writes_the_same_report_again_from_a_runs_json(
     assert not (tmp_path / "other.md").exists()
 
 
-def test_certificate_job_measures_the_per_step_cost(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The job alone, small: every number is a real, positive time, and the markdown shows it."""
+def bench_measure(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """benchmarks/measure.py, loaded as a module (its neighbours on the path)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # measure imports its neighbours
     spec = importlib.util.spec_from_file_location(
         "bench_measure", ROOT / "benchmarks" / "measure.py"
@@ -278,6 +276,24 @@ def test_certificate_job_measures_the_per_step_cost(
     assert spec is not None and spec.loader is not None
     measure = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(measure)
+    return measure
+
+
+def test_each_method_comes_first_once_in_as_many_rounds_as_there_are_methods(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    measure = bench_measure(monkeypatch)
+    names = list(measure.INTERLEAVED)
+    orders = [measure._rotated(names, i) for i in range(1, len(names) + 1)]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    assert sorted(order[0] for order in orders) == sorted(names)
+
+
+def test_certificate_job_measures_the_per_step_cost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job alone, small: every number is a real, positive time, and the markdown shows it."""
+    measure = bench_measure(monkeypatch)
     cert = measure.job_certificate(str(tmp_path), calls=100, rounds=2)
     assert all(positive(cert[k]) for k in ("fingerprint_s", "save_not_due_s", "tiny_step_s"))
     assert cert["fingerprint_x_tiny_step"] == cert["fingerprint_s"] / cert["tiny_step_s"]
