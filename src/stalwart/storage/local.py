@@ -194,9 +194,11 @@ class LocalStorage:
     def wait_removals(self) -> None:
         """Wait until the files of every step ``delete`` handed to the background are gone."""
         with self._removals_lock:
-            pending, self._removals = self._removals, []
+            pending = list(self._removals)
         for future in pending:
-            future.result()  # _remove never raises; an interrupt here leaves it running
+            future.result()  # _remove never raises
+        with self._removals_lock:  # an interrupt above leaves them all to wait for again
+            self._removals = [f for f in self._removals if not f.done()]
 
 
 def _is_real_dir(path: Path) -> bool:
