@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import json
 import math
 import mmap
@@ -33,6 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import stalwart
+from stalwart.file_io import DIRECT_ALIGN
 from stalwart.pipeline import stage_state_dict
 
 MiB = 2**20
@@ -298,7 +300,7 @@ class References:
         if self.aligned is None or self.direct_refused:
             return None
         path = self.root / f"direct{i}.bin"
-        whole = self.nbytes - self.nbytes % 4096
+        whole = self.nbytes - self.nbytes % DIRECT_ALIGN
         c0 = cpu_seconds()
         t0 = time.perf_counter()
         try:
@@ -307,19 +309,25 @@ class References:
             self.direct_refused = True
             return None
         try:
-            for off in range(0, whole, _WRITE_CHUNK):
-                os.pwrite(fd, self.aligned[off : min(off + _WRITE_CHUNK, whole)], off)
-            if whole < self.nbytes:  # the last partial page, through the page cache
-                with open(path, "r+b", buffering=0) as tail:
-                    tail.seek(whole)
-                    tail.write(self.view[whole:])
-            os.fsync(fd)
+            try:
+                for off in range(0, whole, _WRITE_CHUNK):
+                    os.pwrite(fd, self.aligned[off : min(off + _WRITE_CHUNK, whole)], off)
+                if whole < self.nbytes:  # the last partial page, through the page cache
+                    with open(path, "r+b", buffering=0) as tail:
+                        tail.seek(whole)
+                        tail.write(self.view[whole:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_path(self.root)
+            return time.perf_counter() - t0, cpu_seconds() - c0
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self.direct_refused = True  # opened, but the writes refused (some FUSE mounts)
+            return None
         finally:
-            os.close(fd)
-        fsync_path(self.root)
-        elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-        path.unlink()
-        return elapsed, cpu
+            path.unlink(missing_ok=True)
 
     def read(self, path: Path, *, cold: bool) -> float:
         if cold:

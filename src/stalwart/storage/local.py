@@ -197,7 +197,7 @@ class LocalStorage:
             pending = list(self._removals)
         for future in pending:
             future.result()  # _remove never raises
-        with self._removals_lock:  # an interrupt above leaves them all to wait for again
+        with self._removals_lock:  # only the finished ones are forgotten
             self._removals = [f for f in self._removals if not f.done()]
 
 
