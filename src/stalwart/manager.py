@@ -69,10 +69,10 @@ class CheckpointManager:
             ``step`` is a multiple of ``every_steps`` or ``every_seconds`` passed
             since the last save. With neither, every ``save`` call writes.
             ``every_steps="auto"`` + ``mtbf_seconds``: see ``stalwart.continuous``.
-        keep_last / keep_every: retention: the newest ``keep_last`` committed
-            checkpoints, plus every multiple of ``keep_every``; never the newest,
-            nothing before the new one is committed; ``keep_last=None`` keeps all;
-            a deleted one's files are freed in the background (``close`` waits).
+        keep_last / keep_every: retention. The newest ``keep_last`` committed
+            checkpoints are kept, plus every one whose step is a multiple of
+            ``keep_every``; the newest is never deleted, and nothing is deleted
+            before the new checkpoint is committed. ``keep_last=None`` keeps all.
         async_save: stage the state into memory and write it in a background
             thread; ``save`` returns after the copy.
         durable: a durable tier: an object-store URL (``s3://bucket/prefix``,
@@ -151,7 +151,7 @@ class CheckpointManager:
             )
         self.directory = local_dir
         self.storage: CheckpointStorage = (
-            storage if storage is not None else LocalStorage(local_dir, remove_in_background=True)
+            storage if storage is not None else LocalStorage(local_dir)
         )
         self.process_group = process_group
         self._provenance = Provenance(metadata=metadata, config=config)
@@ -303,8 +303,10 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def should_save(self, step: int) -> bool:
-        """Whether the policy (or a pending preemption) asks for a save at ``step``, on this
-        rank. Local and cheap; ``save`` decides with all ranks together."""
+        """Whether the policy (or a pending preemption) asks for a save at ``step``, on this rank.
+
+        Local and cheap; ``save`` decides with all ranks together.
+        """
         if self._preempted or self._signals.is_set():
             return True
         since = time.monotonic() - self._writer.last_save_time
@@ -517,8 +519,6 @@ class CheckpointManager:
     def _finish_uploads(self) -> None:
         if self.tiers is not None:
             self.tiers.close(self.latest_step(), self.directory)
-        if isinstance(self.storage, LocalStorage):
-            self.storage.wait_removals()
 
     def _check_open(self) -> None:
         if self._closed:

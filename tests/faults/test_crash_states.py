@@ -51,8 +51,7 @@ def record(work: Path) -> None:
     """Save step 1, copy the run aside, then save step 2 with the shim recording.
 
     ``keep_last=1``: after committing step 2, retention deletes step 1 (rename
-    aside, fsync, then the removal in the background, waited for here), so a
-    crash there is among the states too.
+    aside, fsync, remove), so a crash there is among the states too.
     """
     shim = Shim()
     run = work / "run"
@@ -63,8 +62,6 @@ def record(work: Path) -> None:
     (work / "inodes.json").write_text(json.dumps(inodes))
     shim.arm(run, log=work / "ops.log")
     assert ckpt.save(2, model_state(2)[0])
-    assert isinstance(ckpt.storage, LocalStorage)
-    ckpt.storage.wait_removals()  # retention's removal runs in the background: recorded too
     shim.disarm()
     ckpt.close()
 

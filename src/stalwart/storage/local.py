@@ -26,8 +26,6 @@ import logging
 import os
 import shutil
 import stat
-import threading
-from concurrent.futures import Future
 from pathlib import Path
 
 from stalwart.errors import CheckpointSaveError
@@ -39,7 +37,6 @@ from stalwart.layout import (
     step_of_dir_name,
 )
 from stalwart.storage.base import StepEntry, StepStatus
-from stalwart.workers import Workers
 
 __all__ = ["LocalStorage", "fsync_dir", "fsync_file", "step_dir_name", "step_of_dir_name"]
 
@@ -63,29 +60,11 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-_REMOVERS = Workers("stalwart-remove", 1)
-"""The thread that frees deleted checkpoints' space when ``delete`` does not wait for it."""
-
-
 class LocalStorage:
-    """A run directory on a local or network POSIX filesystem. See the module docstring.
+    """A run directory on a local or network POSIX filesystem. See the module docstring."""
 
-    ``remove_in_background``: ``delete`` renames the checkpoint away (it stops
-    existing at once, as always) and leaves freeing its files to a background
-    thread, so that the save whose retention deleted it does not wait for the
-    filesystem to free them (a 256 MiB checkpoint here: 0.18-0.21 s, a fifth of
-    the sync save itself). ``begin`` waits for those removals before a new
-    checkpoint takes any space, so the run never holds more on disk than with
-    removals in place, and ``wait_removals`` waits for them (the manager's
-    ``close``). Off by default: a command that deletes expects the space freed
-    when it returns.
-    """
-
-    def __init__(self, root: str | os.PathLike[str], *, remove_in_background: bool = False) -> None:
+    def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        self.remove_in_background = remove_in_background
-        self._removals: list[Future[None]] = []
-        self._removals_lock = threading.Lock()
 
     def step_path(self, step: int) -> Path:
         return self.root / step_dir_name(step)
@@ -94,7 +73,6 @@ class LocalStorage:
         return self.root / name
 
     def begin(self, step: int) -> Path:
-        self.wait_removals()  # the space of what retention deleted, before taking more
         staging = self.root / hidden_name(step, "tmp")
         staging.mkdir(parents=False, exist_ok=False)
         return staging
@@ -184,21 +162,7 @@ class LocalStorage:
         doomed = self.root / hidden_name(step, "del")
         os.rename(path, doomed)
         fsync_dir(self.root)
-        if not self.remove_in_background:
-            _remove(doomed)
-            return
-        with self._removals_lock:
-            self._removals = [f for f in self._removals if not f.done()]
-            self._removals.append(_REMOVERS.submit(_remove, doomed))
-
-    def wait_removals(self) -> None:
-        """Wait until the files of every step ``delete`` handed to the background are gone."""
-        with self._removals_lock:
-            pending = list(self._removals)
-        for future in pending:
-            future.result()  # _remove never raises
-        with self._removals_lock:  # only the finished ones are forgotten
-            self._removals = [f for f in self._removals if not f.done()]
+        _remove(doomed)
 
 
 def _is_real_dir(path: Path) -> bool:
