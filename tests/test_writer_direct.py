@@ -2,9 +2,10 @@
 
 An async save's staging buffers are page-aligned (``StagingArea``), so the
 writer can send their data past the page cache from where it is; a live
-tensor's (a sync save) goes through a page-aligned bounce buffer. These tests check the layout
-that makes that possible (data on a page boundary of the file, records still
-torch's bytes), that the files read back exactly with torch's own reader, and
+tensor's (a sync save) is 64-byte aligned, so its bytes before its first page
+boundary in memory go buffered and the rest from where it is too. These tests
+check the layout that makes that possible (data from a page boundary in memory
+on a page boundary of the file, records still torch's bytes), that the files read back exactly with torch's own reader, and
 that the direct path really ran. Failures of a direct write (EINVAL from a
 filesystem that takes no direct I/O, ENOSPC) are in tests/faults/test_direct_writes.py.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dis
 import io
+import mmap
 import os
 import sys
 import threading
@@ -45,7 +47,7 @@ def live_state() -> dict[str, object]:
         "big": torch.randn(1024, 700),  # 2.7 MiB: whole pages only
         "odd": torch.randn(3, 100_003),  # 1.1 MiB: whole pages, then a partial one
         "half": torch.randn(512, 512).to(torch.bfloat16),  # 512 KiB: below the threshold
-        "large": torch.randn(1_100_003),  # 4.2 MiB: a live one goes direct too (bounced)
+        "large": torch.randn(1_100_003),  # 4.2 MiB
         "small": torch.randn(10),
         "step": 7,
     }
@@ -101,23 +103,24 @@ def staged_tensor() -> torch.Tensor:
     return t
 
 
-def unaligned_tensor() -> torch.Tensor:
-    """Page-sized data at an address that is not (a live tensor's case): bounced."""
-    n = 3 * hashed_file.BOUNCE_BYTES // 2
-    base = torch.empty(n + 2 * PAGE, dtype=torch.uint8)
-    # 64 bytes past a page boundary, wherever the allocator put the buffer.
-    start = (PAGE - base.data_ptr() % PAGE) % PAGE + 64
-    t = base[start : start + n]
+def offset_tensor(n: int, offset: int) -> torch.Tensor:
+    """``n`` numbered bytes (uint8) at ``offset`` bytes past a page boundary, owning
+    all of its storage (as a tensor of a state does; a view of a larger one
+    would be copied by the writer)."""
+    mapped = mmap.mmap(-1, n + offset)  # page-aligned
+    t = torch.frombuffer(memoryview(mapped)[offset : offset + n], dtype=torch.uint8)
     t.copy_(torch.arange(n, dtype=torch.int64).to(torch.uint8))
-    assert t.data_ptr() % PAGE == 64
+    assert t.data_ptr() % PAGE == offset and t.untyped_storage().nbytes() == n
     return t
 
 
-@pytest.mark.parametrize("memory", ["page-aligned", "bounced"])
+def unaligned_tensor() -> torch.Tensor:
+    """One and a half bounce buffers of data 64 bytes past a page boundary (a live tensor's case)."""
+    return offset_tensor(3 * hashed_file.BOUNCE_BYTES // 2, 64)
+
+
 @pytest.mark.parametrize("swap", ["symlink", "another file"])
-def test_a_file_swapped_at_the_path_never_gets_the_direct_writes(
-    tmp_path: Path, swap: str, memory: str
-) -> None:
+def test_a_file_swapped_at_the_path_never_gets_the_direct_writes(tmp_path: Path, swap: str) -> None:
     """The direct descriptor is opened by path: a link or another file put there after
     the file was created (by someone who can write the staging directory) must not
     receive the data; the file being written gets it, buffered."""
@@ -132,7 +135,7 @@ def test_a_file_swapped_at_the_path_never_gets_the_direct_writes(
             path.symlink_to(outside)
         else:
             path.write_bytes(b"decoy")
-        t = staged_tensor() if memory == "page-aligned" else unaligned_tensor()
+        t = staged_tensor()
         view = records._data_view(t)
         assert out.add_direct(view, t.data_ptr()) in (True, False)
         if out.size == 0:  # not taken: the caller adds it buffered
@@ -183,12 +186,8 @@ def test_direct_data_lands_on_a_page_boundary_and_reads_back_exactly(
     metadata = read_dcp_metadata(tmp_path / "ckpt")
     data = (tmp_path / "ckpt" / "__0_0.distcp").read_bytes()
     by_key = {index.fqn: info for index, info in metadata.storage_data.items()}
-    if source == "staged" and packing == "one by one":
-        direct: tuple[str, ...] = ("big", "odd", "large")
-    elif packing == "packed":  # all packed: none is a bounce buffer's size
-        direct = ()
-    else:
-        direct = ("large",)
+    # One by one: every tensor of 1 MiB or more; packed: none (none is a bounce buffer's size).
+    direct = ("big", "odd", "large") if packing == "one by one" else ()
     for key in ("big", "odd", "half", "large", "small"):
         info = by_key[key]
         record = data[info.offset : info.offset + info.length]
@@ -197,7 +196,11 @@ def test_direct_data_lands_on_a_page_boundary_and_reads_back_exactly(
         raw = live[key].reshape(-1).view(torch.uint8).numpy().tobytes()  # type: ignore[union-attr]
         start = info.offset + record.index(raw[:256])
         if key in direct:
-            assert start % PAGE == 0, key  # its whole pages can go out with O_DIRECT
+            # Its first page boundary in memory is one in the file: from there on,
+            # its whole pages can go out with O_DIRECT from where they are.
+            address = sd[key].data_ptr()  # type: ignore[union-attr]
+            assert (start + -address % PAGE) % PAGE == 0, key
+            assert source == "live" or address % PAGE == 0, key
     back = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in live.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore")
@@ -329,10 +332,12 @@ def test_gathered_writes_stop_where_the_file_stops_being_consecutive(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Attacks on the gathering: more framing between two staged tensors than the
-    frame pages hold (many small records), a live tensor bounced through the I/O
-    thread in between, a batch of buffered records flushed in between, a frame
-    pool of one page, and a tensor of exactly the gather's size. Each breaks the
-    run of consecutive pieces; the file is the same bytes every time."""
+    frame pages hold (many small records), live tensors in between (64 bytes past
+    a page, the most bytes before a page boundary: 4032, and from numpy's
+    allocator, only 16-byte aligned: buffered), a batch of buffered records
+    flushed in between, a frame pool of one page, and a tensor of exactly the
+    gather's size. Each breaks the run of consecutive pieces; the file is the
+    same bytes every time."""
     monkeypatch.setattr(hashed_file, "BATCH_BYTES", 2**20)  # buffered flushes in between
     monkeypatch.setattr(file_io.FRAME_POOL, "_idle", [])
     monkeypatch.setattr(file_io.FRAME_POOL, "size", PAGE)  # one page of frames
@@ -344,11 +349,15 @@ def test_gathered_writes_stop_where_the_file_stops_being_consecutive(
     live["exact"] = torch.randn(hashed_file.BOUNCE_BYTES // 4)  # the gather's size
     live |= {f"b{i}": torch.randn(257, 1031 + i) for i in range(4)}
     sd: dict[str, object] = dict(StagingArea().stage(live))
-    sd["bounced"] = torch.randn(1_300_007)  # live, 5.2 MiB: through the bounce buffers
+    sd["live"] = torch.randn(1_300_007)  # live, 5.2 MiB: 64-byte aligned
+    sd["far"] = offset_tensor(2**20 + 999, PAGE - 64)  # 4032 bytes before a page boundary
+    sd["numpy"] = offset_tensor(2**20 + 5, 16)  # numpy's allocator aligns to 16 bytes
     sd["after"] = StagingArea().stage({"t": torch.randn(600, 700)})["t"]
     written = save(sd, tmp_path / "mixed", pack=False)
     tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
     assert_reads_back_exactly(tmp_path / "mixed", written, tensors)
+    metadata = read_dcp_metadata(tmp_path / "mixed")
+    assert all(info.offset % 64 == 0 for info in metadata.storage_data.values())
 
 
 def test_the_direct_path_runs_for_staged_and_for_live_tensors(
@@ -356,27 +365,35 @@ def test_the_direct_path_runs_for_staged_and_for_live_tensors(
 ) -> None:
     """Counted on the real files: bytes past the page cache per file (none where the
     platform or the filesystem has no direct I/O: then the same files, buffered).
-    A live tensor (torch aligns it to 64 bytes) goes through the bounce buffer."""
+    A live tensor (torch aligns it to 64 bytes) goes direct from its first page
+    boundary in memory on, from where it is: no bounce buffer is ever taken."""
     monkeypatch.setattr(writer_module, "_PACK_AFTER", 2**62)  # one record at a time
     direct_io = takes_direct_io(tmp_path)
     direct = count_direct_bytes(monkeypatch)
     live = live_state()
+    bounce_leases: list[int] = []
+    lease = file_io.BOUNCE_POOL.lease
+
+    def counting_lease():  # type: ignore[no-untyped-def]
+        bounce_leases.append(1)
+        return lease()
+
+    monkeypatch.setattr(file_io.BOUNCE_POOL, "lease", counting_lease)
     save(StagingArea().stage(live), tmp_path / "staged")
     save(live, tmp_path / "live")
     tensors = {k: v for k, v in live.items() if isinstance(v, torch.Tensor)}
     pages = {k: v.nbytes - v.nbytes % PAGE for k, v in tensors.items()}
     staged_direct = pages["big"] + pages["odd"] + pages["large"]
-    # torch places a live tensor where its allocator likes: a page-aligned one of
-    # 1 MiB or more goes direct as it is, any other from 4 MiB up through the bounce buffers.
+    # From each live tensor's first page boundary in memory, its whole pages.
     live_direct = sum(
-        pages[k]
-        for k, t in tensors.items()
-        if t.nbytes >= (2**20 if t.data_ptr() % PAGE == 0 else writer_module._BOUNCE_MIN)
+        (t.nbytes - -t.data_ptr() % PAGE) // PAGE * PAGE
+        for t in tensors.values()
+        if t.nbytes >= 2**20
     )
-    # Live tensors are torch-allocated (64-byte aligned): from 4 MiB up, bounced.
-    assert live["large"].nbytes >= writer_module._BOUNCE_MIN  # type: ignore[union-attr]
+    assert any(t.data_ptr() % PAGE for t in tensors.values() if t.nbytes >= 2**20)
     assert direct["staged"] == (staged_direct if direct_io else 0)
-    assert direct["live"] == (live_direct if direct_io else 0) and live_direct >= pages["large"]
+    assert direct["live"] == (live_direct if direct_io else 0)
+    assert bounce_leases == [], "a bounce buffer was taken without packing"
 
 
 def test_an_async_manager_save_restores_exactly(tmp_path: Path) -> None:
@@ -399,52 +416,32 @@ def test_an_async_manager_save_restores_exactly(tmp_path: Path) -> None:
         assert torch.equal(value, want[key]), key
 
 
-def test_a_bounced_view_is_written_and_hashed_as_it_was_when_handed_over(tmp_path: Path) -> None:
-    """The I/O thread writes from the bounce buffers, not from the caller's memory:
-    changing the memory after add_direct returned changes nothing in the file."""
+def test_add_direct_takes_whole_pages_at_page_aligned_addresses_only(tmp_path: Path) -> None:
+    """A view at an address off a page boundary, of a length not whole pages, or at a
+    file end off a page boundary is refused (False, nothing added, no thread or
+    buffer taken): the caller adds it buffered, and the file is the same."""
     t = unaligned_tensor()
-    want = bytes(records._data_view(t))
+    staged = staged_tensor()
     out = hashed_file.HashedFile(tmp_path / "f")
     try:
-        out.add([b"x" * PAGE])  # a buffered page first: positional writes of both kinds
-        assert out.add_direct(records._data_view(t), t.data_ptr()) == takes_direct_io(tmp_path)
-        if out.size == PAGE:  # not taken (no direct I/O here): buffered, from a copy
-            out.add([want])
-        t.zero_()  # the caller reuses its memory at once
+        assert not out.add_direct(records._data_view(t), t.data_ptr())
+        aligned = records._data_view(staged)
+        assert not out.add_direct(aligned[: PAGE + 1], staged.data_ptr())
+        assert out.size == 0 and out._io is None and not out._slots
+        out.add([b"x"])
+        assert not out.add_direct(aligned, staged.data_ptr())
+        out.add([bytes(PAGE - 1)])
+        assert out.add_direct(aligned, staged.data_ptr()) == takes_direct_io(tmp_path)
+        if out.size == PAGE:
+            out.add([aligned])
         entry = out.finish()
         out.sync()
     finally:
         out.abandon()
-    assert (tmp_path / "f").read_bytes() == b"x" * PAGE + want
+    want = b"x" + bytes(PAGE - 1) + bytes(aligned)
+    assert (tmp_path / "f").read_bytes() == want
     assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "f")
-    assert out.direct_bytes == (len(want) if takes_direct_io(tmp_path) else 0)
-
-
-def test_no_memory_map_for_a_bounce_buffer_means_a_buffered_write(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """mmap can fail (vm.max_map_count, ENOMEM): the view is not taken, and the
-    caller's buffered write gives the same file."""
-
-    def no_map(*_args: object) -> None:
-        raise OSError(12, "Cannot allocate memory")
-
-    monkeypatch.setattr(file_io.mmap, "mmap", no_map)
-    monkeypatch.setattr(file_io.BOUNCE_POOL, "_idle", [])
-    t = unaligned_tensor()
-    view = records._data_view(t)
-    out = hashed_file.HashedFile(tmp_path / "f")
-    try:
-        taken = out.add_direct(view, t.data_ptr())
-        assert not taken and out.size == 0
-        out.add([view])
-        entry = out.finish()
-        out.sync()
-    finally:
-        out.abandon()
-    assert (tmp_path / "f").read_bytes() == bytes(view)
-    assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "f")
-    assert out.direct_bytes == 0
+    assert out.direct_bytes == (len(aligned) if takes_direct_io(tmp_path) else 0)
 
 
 def test_packing_many_buffers_across_bounce_buffers_gives_their_concatenation(
@@ -561,27 +558,26 @@ def test_a_packed_checkpoint_of_many_small_tensors_restores_exactly(
 def test_an_error_raised_into_a_bounced_writes_submit_is_raised_and_the_write_done_once(
     tmp_path: Path,
 ) -> None:
-    """A signal handler's RuntimeError raised once the bounced write was queued is not
-    the executor refusing work: it comes out as it is, and the piece is not written
-    a second time inline (the direct bytes would count it twice), nor does the save
-    go on to write the rest of the view."""
+    """A signal handler's RuntimeError raised once a packed bounce buffer's write was
+    queued is not the executor refusing work: it comes out as it is, and the
+    buffer is not written a second time inline (the direct bytes would count it
+    twice), nor does the save go on to pack the rest of the view."""
     if not takes_direct_io(tmp_path):
         pytest.skip("this filesystem takes no O_DIRECT writes: nothing is bounced")
     t = unaligned_tensor()
     view = records._data_view(t)
     out = hashed_file.HashedFile(tmp_path / "f")
     try:
-        assert out.add_direct(view, t.data_ptr())  # the I/O thread started, as in a save
+        assert out.pack()
+        out.add([view])  # one bounce buffer filled and queued: the I/O thread started
         submit = ThreadPoolExecutor.submit.__code__
-        raised_into(
-            submit, "_adjust_thread_count", KILLED, lambda: out.add_direct(view, t.data_ptr())
-        )
-        out.finish()  # waits for the queued write
+        raised_into(submit, "_adjust_thread_count", KILLED, lambda: out.add([view]))
+        out.finish()  # waits for the queued writes
     finally:
         out.abandon()
-    # All of the first view, and the second's first bounce buffer, queued once.
-    assert view.nbytes > file_io.BOUNCE_BYTES
-    assert out.direct_bytes == view.nbytes // PAGE * PAGE + file_io.BOUNCE_BYTES
+    # The first view's bounce buffer, and the one the second view filled, queued once.
+    assert file_io.BOUNCE_BYTES < view.nbytes < 2 * file_io.BOUNCE_BYTES
+    assert out.direct_bytes == 2 * file_io.BOUNCE_BYTES
 
 
 def test_a_file_abandoned_by_two_threads_at_once_is_closed_once(tmp_path: Path) -> None:

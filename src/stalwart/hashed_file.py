@@ -4,11 +4,11 @@
 ``.metadata`` through: buffers are hashed as they are queued and go to the
 kernel in ``writev`` calls of up to 16 MiB at explicit offsets, with a
 write-back hint after each batch (``sync_file_range``, Linux); the whole pages
-of a large buffer can go to the disk with ``O_DIRECT`` (``add_direct``:
-straight from a page-aligned buffer, consecutive ones in one ``writev`` with
-the framing between them copied into frame pages; through a reused
-page-aligned bounce buffer from any other), falling back to the page cache
-where the filesystem refuses direct I/O. ``sync`` fsyncs on the descriptor that wrote, so a write-back
+of a large page-aligned buffer can go to the disk with ``O_DIRECT`` straight
+from where they are (``add_direct``: consecutive ones in one ``writev`` with
+the framing between them copied into frame pages), and a packed file's
+buffers through reused page-aligned bounce buffers (``pack``), falling back
+to the page cache where the filesystem refuses direct I/O. ``sync`` fsyncs on the descriptor that wrote, so a write-back
 error is reported to it; every OSError names the file. ``Task`` runs a
 function in a thread of its own and re-raises its exception in whoever waits.
 """
@@ -90,7 +90,7 @@ class HashedFile:
     in one ``writev`` from the caller's thread. (An I/O thread per file that
     overlapped the ``writev`` with the next items' preparation was measured
     too: no faster here, and up to 3x the CPU time on 2 cores; only direct
-    writes from bounce buffers, see ``add_direct``, have a thread of their own.) ``finish``
+    writes from bounce buffers, see ``pack``, have a thread of their own.) ``finish``
     writes what is queued and returns the file's manifest entry; ``sync``
     fsyncs and closes it (on the same descriptor, so that a write-back error
     is reported to it). OSErrors name the file.
@@ -103,8 +103,8 @@ class HashedFile:
         self.size = 0
         self._direct_fd: int | None = None
         self._direct_ok = bool(O_DIRECT)
-        self._direct_done = 0  # by the caller's thread (page-aligned views)
-        self._bounced_done = 0  # by the I/O thread (bounced pieces)
+        self._direct_done = 0  # by the caller's thread (``add_direct``)
+        self._bounced_done = 0  # by the I/O thread (packed bounce buffers)
         self._io: ThreadPoolExecutor | None = None
         self._slots: list[tuple[memoryview, Future[None] | None]] = []
         self._next_slot = 0
@@ -200,23 +200,23 @@ class HashedFile:
     def add_direct(self, view: memoryview, address: int) -> bool:
         """Write ``view`` (at ``address`` in memory) at the file's end with O_DIRECT.
 
-        Only for a view whose length is a multiple of the page size, at a
-        page-aligned end of file; False (nothing done) otherwise, where the
-        filesystem refuses direct I/O, or where no bounce buffer can be mapped,
-        and the caller adds it buffered instead.
-        A view at a page-aligned address goes to the disk from where it is,
-        with the views before and after it that are consecutive in the file
-        (``_gather_direct``), by ``finish`` at the latest; any other (a live
-        tensor: torch aligns to 64 bytes) is copied into page-aligned bounce buffers of ``BOUNCE_BYTES``,
-        hashed there, and written by this file's I/O thread while the caller
-        goes on (two buffers, so one is filled while the other is written): less
-        CPU time than a write into the page cache (a sync save of the 256 MiB
-        benchmark state: best 104 ms against 143 ms; a copy is cheaper than
-        allocating, filling and accounting page-cache pages).
-        The view must stay unchanged until ``finish`` (as ``add``'s buffers).
+        Only for a view of whole pages at a page-aligned address, at a
+        page-aligned end of file; False (nothing done) otherwise or where the
+        filesystem refuses direct I/O, and the caller adds it buffered instead.
+        The view goes to the disk from where it is, with the views before and
+        after it that are consecutive in the file (``_gather_direct``), by
+        ``finish`` at the latest; in a packed file, at once, after the packed
+        bytes before it. The view must stay unchanged until ``finish`` (as
+        ``add``'s buffers).
         """
         n = view.nbytes
-        if not self._direct_ok or n == 0 or n % DIRECT_ALIGN or self.size % DIRECT_ALIGN:
+        if (
+            not self._direct_ok
+            or n == 0
+            or n % DIRECT_ALIGN
+            or self.size % DIRECT_ALIGN
+            or address % DIRECT_ALIGN
+        ):
             return False
         fd = self._open_direct()
         if fd is None:
@@ -224,30 +224,16 @@ class HashedFile:
         # Queued buffered bytes before it stay queued: every write is positional.
         self._submit_fill()  # packed bytes before it: whole pages, the end being aligned
         offset = self.size
-        aligned = address % DIRECT_ALIGN == 0
-        if aligned and not self._packing:
+        if not self._packing:
             self.hash.update(view)
             self._gather_direct(view, offset)
-        elif aligned:
+        else:
             with self._naming_errors():
                 done = self._write_direct(fd, view, offset)
                 self.hash.update(view)
                 if done < n:
                     write_at(self.fd, [view[done:]], offset + done)
             self._direct_done += done
-        else:
-            try:
-                self._free_slot()  # the bounce buffers, before anything is written
-            except OSError:
-                # No memory map left (vm.max_map_count, ENOMEM): the caller
-                # writes it buffered, as staging falls back to ordinary memory.
-                return False
-            for start in range(0, n, BOUNCE_BYTES):
-                piece = view[start : start + BOUNCE_BYTES]
-                bounce = self._free_slot()[: piece.nbytes]
-                bounce[:] = piece
-                self.hash.update(bounce)
-                self._submit(bounce, offset + start)
         self.size += n
         return True
 

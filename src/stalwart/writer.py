@@ -24,28 +24,32 @@ working; what changes is how the bytes reach the disk:
   waits for the tail of the file only, not for all of it: 64 MiB written and
   fsynced in 24 ms instead of 33 ms here. Each file is fsynced once, and the
   fsync is what makes it durable and what reports any write-back error.
-- The page-aligned part of a large tensor's data whose memory is page-aligned
-  (an async save's staging buffers are, see ``staging.StagingArea``) is
-  written with ``O_DIRECT`` from that memory straight to the disk: no copy
+- The whole pages of a large tensor's data (1 MiB and up) are written with
+  ``O_DIRECT`` from the tensor's own memory straight to the disk: no copy
   into the page cache, which is most of a buffered write's CPU time (64 MiB:
-  about 3 ms of CPU instead of 17 ms here). Such a record is placed so that
-  its data starts on a page boundary of the file (the record itself stays
-  64-byte aligned). Consecutive such records go out in one direct write of up
-  to 8 MiB, the framing pages between them copied along
-  (``HashedFile.add_direct``): O_DIRECT costs CPU per call more than per byte
-  (64 MiB in 1.3 MB writes: 12 ms; in 8 MiB ones: 5 ms). A live tensor's memory (a synchronous save) is not
-  page-aligned: from 4 MiB up its data goes direct too, copied through
-  reused page-aligned bounce buffers and written by the file's I/O thread
-  (``HashedFile.add_direct``). In a save written in the background (async),
-  once 1 MiB of tensor records went through the page cache, the rest of the
-  file is packed (``HashedFile.pack``): every later record that does not go
-  direct by itself, however small, is copied end to end into the bounce
-  buffers and goes direct too, all but the file's last partial page. That
-  costs less CPU time (the 64 MiB benchmark state, tensors of 1.3 MB, saved
-  packed: 39 ms against 50 ms, best of 10, and 20 ms for a raw write) but
-  more wall time on a disk whose direct writes are slower than the page
-  cache's write-back (the same state in one benchmark run: 94 ms against
-  79 ms), so a synchronous save, which training waits for, is not packed.
+  about 3 ms of CPU instead of 17 ms here). Direct I/O needs page-aligned
+  memory: an async save's staging buffers are (``staging.StagingArea``); a
+  live tensor's memory (a sync save) is 64-byte aligned, so the bytes before
+  its first page boundary in memory go with the record's header through the
+  page cache, and the record is placed so that the rest starts on a page
+  boundary of the file (``_add_direct_record``; the record itself stays
+  64-byte aligned). A sync save of the 256 MiB benchmark state, alternated
+  with the bounce-buffer copy this replaced: best 55 ms of CPU against 114,
+  and 452 ms against 495 of wall time. Consecutive such records go out in
+  one direct write of up to 8 MiB, the framing pages between them copied
+  along (``HashedFile.add_direct``): O_DIRECT costs CPU per call more than
+  per byte (64 MiB in 1.3 MB writes: 12 ms; in 8 MiB ones: 5 ms). In a save
+  written in the background (async), once 1 MiB of tensor records went
+  through the page cache, the rest of the file is packed
+  (``HashedFile.pack``): every later record that does not go direct by
+  itself, however small, is copied end to end into reused page-aligned
+  bounce buffers, written by the file's I/O thread, and goes direct too, all
+  but the file's last partial page. That costs less CPU time (the 64 MiB
+  benchmark state, tensors of 1.3 MB, saved packed: 39 ms against 50 ms,
+  best of 10, and 20 ms for a raw write) but more wall time on a disk whose
+  direct writes are slower than the page cache's write-back (the same state
+  in one benchmark run: 94 ms against 79 ms), so a synchronous save, which
+  training waits for, is not packed.
   The rest goes through the page cache, at explicit offsets. A filesystem that refuses direct I/O (at open or at
   any write, ``EINVAL``) gets buffered writes for the rest of the file.
 - A write that fails, in any writer thread, raises in the caller's thread:
@@ -95,13 +99,6 @@ DCP reads every record by its offset and length, so the gaps are never read."""
 _DIRECT_MIN = 2**20
 """Tensor data smaller than this goes through the page cache (at most a page of
 padding per record buys nothing for small tensors)."""
-_BOUNCE_MIN = 4 * 2**20
-"""Data not page-aligned in memory (a live tensor: torch aligns to 64 bytes) goes
-direct, through a bounce buffer, from this size up. Smaller pieces gain nothing:
-each is a synchronous direct write plus a hand-over to the file's I/O thread,
-where the page cache absorbs a buffered one at once (measured on the 64 MiB
-benchmark state, 1.3 MB tensors: no less CPU, 6-15% more wall time; at 5.6 MB
-tensors, a quarter to a third less CPU than buffered)."""
 _PACK_AFTER = 2**20
 """Once this many bytes of tensor records went through the page cache, the rest
 of the file is packed (``HashedFile.pack``): every later record that does not go
@@ -214,20 +211,17 @@ def _direct_candidate(
 ) -> bool:
     """A templated record (header, data, trailer) whose data goes out with O_DIRECT on its own.
 
-    In a packed file, only data at a page-aligned address and at least a
-    bounce buffer's size (written from where it is, no copy, worth the short
-    direct write of the packed bytes before it): the rest is packed.
+    In a packed file, only data of at least a bounce buffer's size (written
+    from where it is, no copy, worth the short direct write of the packed
+    bytes before it): the rest is packed.
     """
-    aligned = tensor.data_ptr() % DIRECT_ALIGN == 0
-    if packed:
-        least = BOUNCE_BYTES if aligned else 2**63
-    else:
-        least = _DIRECT_MIN if aligned else _BOUNCE_MIN
+    least = BOUNCE_BYTES if packed else _DIRECT_MIN
     return (
         out.direct
         and len(buffers) == 3
         and tensor.nbytes >= least
         and len(buffers[0]) % _RECORD_ALIGN == 0
+        and tensor.data_ptr() % _RECORD_ALIGN == 0  # torch's allocator; not numpy's (16)
     )
 
 
@@ -244,24 +238,34 @@ def _start_packing(out: HashedFile) -> bool:
 
 
 def _add_direct_record(out: HashedFile, tensor: torch.Tensor, buffers: list[Any]) -> int:
-    """Add a record whose data starts on a page boundary of the file; returns its offset.
+    """Add a record whose data's first page boundary in memory falls on one in the file;
+    returns its offset.
 
-    The padding before it keeps the record 64-byte aligned (the header's
-    length is a multiple of 64); the data's whole pages go out with O_DIRECT
-    (or buffered, where the file refuses that), its last partial page and the
-    trailer through the page cache.
+    Direct I/O takes memory and file offsets aligned to the page (the disk's
+    block and DMA alignment divide it). A live tensor's data is 64-byte
+    aligned only (torch's allocator: here a large one starts 64 bytes past a
+    page), so its first bytes up to a page boundary in memory (``skip``, under
+    a page) are written with the header through the page cache, and the
+    record is placed so that the rest starts on a page boundary of the file
+    too: its whole pages then go out with O_DIRECT from the tensor's own
+    memory, no copy (or buffered, where the file refuses that), its last
+    partial page and the trailer through the page cache. A staged tensor's
+    data is page-aligned (``skip`` is 0). The padding before the record keeps
+    it 64-byte aligned (the header's length is a multiple of 64, as is the
+    data's address, so the pad is too).
     """
     header, data, trailer = buffers
-    pad = -(out.size + len(header)) % DIRECT_ALIGN
+    skip = -tensor.data_ptr() % DIRECT_ALIGN
+    pad = -(out.size + len(header) + skip) % DIRECT_ALIGN
     if pad:
         out.add([_ZEROS[:pad]])
     offset = out.size
-    out.add([header])
-    whole = data.nbytes - data.nbytes % DIRECT_ALIGN
-    head = data[:whole]
-    if not out.add_direct(head, tensor.data_ptr()):
-        out.add([head])
-    out.add([data[whole:], trailer])
+    out.add([header, data[:skip]] if skip else [header])
+    end = skip + (data.nbytes - skip) // DIRECT_ALIGN * DIRECT_ALIGN
+    pages = data[skip:end]
+    if not out.add_direct(pages, tensor.data_ptr() + skip):
+        out.add([pages])
+    out.add([data[end:], trailer])
     return offset
 
 

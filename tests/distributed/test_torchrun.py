@@ -152,9 +152,9 @@ def test_resharding_restore_reads_large_shards_into_place(
 def test_resharding_restore_of_shards_written_direct(tmp_path: Path, kind: str) -> None:
     """Sync saves of live tensors of 4 MiB and more (each FSDP shard of the first
     weight and its Adam moments, the whole ones under DDP) go to the disk with
-    O_DIRECT through the bounce buffers (12 MiB per rank under FSDP, 4 and 8 MiB
-    under DDP, when counted); this checks they read back exactly at another world
-    size. tests/test_writer_direct.py checks that the bytes went direct."""
+    O_DIRECT from their own memory, the bytes before their first page boundary
+    buffered; this checks they read back exactly at another world size.
+    tests/test_writer_direct.py checks that the bytes went direct."""
     width = 2**17 if kind == "fsdp" else 2**16  # 16 x width fp32 per rank: 4 MiB
     reshard(tmp_path, kind, 2, 1, "--width", str(width))
 
