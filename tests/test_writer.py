@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import math
 import threading
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
@@ -279,24 +281,54 @@ def test_a_tensor_changed_after_it_was_hashed_is_caught_by_the_checksum(
 
 @pytest.mark.parametrize(
     "dtype",
-    # numpy's dtypes (the shortcut) and some it lacks (the general path).
     [
-        *sorted(records._NUMPY_DTYPES, key=str),
-        *(torch.bfloat16, torch.complex64, torch.float8_e4m3fn),
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.bfloat16,
+        torch.complex64,
+        torch.float8_e4m3fn,
     ],
 )
-@pytest.mark.parametrize("shape", [(2, 3, 4), (5,), ()])
+@pytest.mark.parametrize("shape", [(2, 3, 4), (5,), (), (0,), (3, 0)])
 def test_a_tensors_bytes_are_its_memory_whatever_its_dtype_and_shape(
     dtype: torch.dtype, shape: tuple[int, ...]
 ) -> None:
-    """``_data_view`` takes numpy's shortcut where numpy knows the dtype: the same
-    bytes, as one flat run of unsigned bytes, as the general path's."""
+    """``_data_view`` is the tensor's memory (no copy: a change shows through) as one
+    flat run of unsigned bytes, the bytes torch's own byte view gives."""
     from stalwart.records import _data_view
 
-    t = (torch.arange(max(1, math.prod(shape))).reshape(shape) * 37 % 11).to(dtype)
+    t = (torch.arange(math.prod(shape)).reshape(shape) * 37 % 11).to(dtype)
     view = _data_view(t)
-    assert view.format == "B" and view.ndim == 1
+    assert view.format == "B" and view.ndim == 1 and view.nbytes == t.nbytes
     assert bytes(view) == t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    if t.numel():
+        t.view(-1).view(torch.uint8)[0] = 0xA5
+        assert view[0] == 0xA5
+
+
+def test_a_data_view_keeps_its_tensor_alive_as_long_as_any_piece_of_it() -> None:
+    """The writer cuts pieces out of the view (a direct write's whole pages, the bytes
+    before them) and may hold them after it dropped the tensor (a copy it made of a
+    view or a GPU tensor): the memory must stay the tensor's until the last piece goes."""
+    from stalwart.records import _data_view
+
+    t = torch.arange(100_000, dtype=torch.int64)
+    want = t.numpy().tobytes()
+    alive = weakref.ref(t)
+    piece = _data_view(t)[4096:8192]
+    del t
+    gc.collect()
+    assert alive() is not None
+    torch.arange(100_000, dtype=torch.int64).neg_()  # memory that a freed tensor would give
+    assert bytes(piece) == want[4096:8192]
+    del piece
+    gc.collect()
+    assert alive() is None
 
 
 class CountingPlanner:
