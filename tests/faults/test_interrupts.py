@@ -62,13 +62,19 @@ STRIDE = 5
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("error", [KILLED, KeyboardInterrupt()], ids=["handler", "ctrl-c"])
+@pytest.mark.parametrize(
+    ("error", "width"),
+    [(KILLED, 64), (KeyboardInterrupt(), 64), (KILLED, 640)],
+    ids=["handler", "ctrl-c", "handler-direct-writes"],
+)
 def test_an_error_raised_into_a_save_at_any_call_loses_nothing(
-    tmp_path: Path, error: BaseException, async_save: bool
+    tmp_path: Path, error: BaseException, async_save: bool, width: int
 ) -> None:
     """Async: the training thread's part (the state dict, the staging copy, the
-    hand-off to the background writer), with ``wait`` after each save."""
-    model, _opt, state = small_state(extra={"k": 1})
+    hand-off to the background writer), with ``wait`` after each save. Width 640:
+    tensors whose pages go to the disk with O_DIRECT, gathered with the framing
+    between them (a sync save's from the live tensors' own memory)."""
+    model, _opt, state = small_state(extra={"k": 1}, width=width)
     run = tmp_path / "run"
     wanted: dict[int, dict[str, torch.Tensor]] = {}
     with stalwart.CheckpointManager(

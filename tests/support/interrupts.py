@@ -178,14 +178,18 @@ def interrupted_restore(
     return True
 
 
-def small_state(extra: dict[str, Any] | None = None) -> tuple[Any, Any, stalwart.TrainState]:
+def small_state(
+    extra: dict[str, Any] | None = None, width: int = 64
+) -> tuple[Any, Any, stalwart.TrainState]:
     """A two-layer model and its Adam after one step (so with optimizer state), and their
-    ``TrainState`` (with ``extra``): what the interrupt sweeps save and restore."""
+    ``TrainState`` (with ``extra``): what the interrupt sweeps save and restore.
+    ``width`` 640 makes the first weight and its moments 1.6 MB each: written with
+    O_DIRECT (``stalwart.writer``)."""
     import torch
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 4))
     opt = torch.optim.Adam(model.parameters())
-    model(torch.ones(2, 64)).sum().backward()
+    model(torch.ones(2, width)).sum().backward()
     opt.step()
     return model, opt, stalwart.TrainState(model=model, optimizer=opt, extra=extra)
