@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import io
 import math
+import sys
 import threading
 import warnings
 import weakref
@@ -309,6 +310,40 @@ def test_a_tensors_bytes_are_its_memory_whatever_its_dtype_and_shape(
     if t.numel():
         t.view(-1).view(torch.uint8)[0] = 0xA5
         assert view[0] == 0xA5
+
+
+def test_an_error_raised_into_the_crc_settings_restore_still_restores_it() -> None:
+    """torch's config proxy runs Python code, so an interrupt (Ctrl-C, a signal
+    handler's error) can land on the call that puts the zip CRC setting back as
+    ``without_zip_crc`` found it: the setting is put back all the same and the
+    error goes on. Left off, every later ``torch.save`` of the process would
+    write zips without CRC, which Python's own ``zipfile`` then refuses."""
+    from torch.utils.serialization import config
+
+    setattr_code = type(config.save).__setattr__.__code__
+    calls = 0
+
+    def raise_at_the_restore(frame, event, _arg):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        if event == "call" and frame.f_code is setattr_code:
+            calls += 1
+            if calls == 1:  # the call that puts it back (traced from inside the block)
+                raise KeyboardInterrupt
+        return None
+
+    def interrupted_on_the_way_out() -> None:
+        with without_zip_crc():
+            assert config.save.compute_crc32 is False
+            sys.settrace(raise_at_the_restore)
+
+    assert config.save.compute_crc32 is True
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            interrupted_on_the_way_out()
+    finally:
+        sys.settrace(None)
+    assert calls == 1  # tracing stops at the error it raised
+    assert config.save.compute_crc32 is True
 
 
 def test_a_data_view_keeps_its_tensor_alive_as_long_as_any_piece_of_it() -> None:

@@ -59,15 +59,25 @@ def without_zip_crc() -> Iterator[None]:
     with _CRC_LOCK:
         if _CRC_USERS == 0:
             _CRC_BEFORE = bool(save_config.compute_crc32)
-            save_config.compute_crc32 = False
         _CRC_USERS += 1
+    # torch's config proxy runs Python code, so an interrupt (Ctrl-C, a signal
+    # handler's error) can land on any of these assignments, even after one took
+    # effect: this user is counted before it turns the CRC off, and the last one
+    # out puts the setting back even when an error is raised into that call.
+    # Left off, every later torch.save of the process would write its zips
+    # without CRC, which Python's own zipfile then refuses.
     try:
+        save_config.compute_crc32 = False
         yield
     finally:
         with _CRC_LOCK:
             _CRC_USERS -= 1
             if _CRC_USERS == 0:
-                save_config.compute_crc32 = _CRC_BEFORE
+                try:
+                    save_config.compute_crc32 = _CRC_BEFORE
+                except BaseException:
+                    save_config.compute_crc32 = _CRC_BEFORE
+                    raise
 
 
 def record_settings() -> tuple[Any, ...] | None:

@@ -80,7 +80,10 @@ class RaiseAtCall:
     deeper, where the standard library's own ``except Exception`` (logging's, for
     one) swallows what it gets. Left out, where Python itself ignores any
     error (a signal handler's too): generators, whose entry may be their close,
-    and weakref callbacks and finalizers, which run when an object dies."""
+    the calls a generator makes while it is closed (a ``finally`` or a ``with``'s
+    exit seeing ``GeneratorExit``: when the collector closes one left suspended by
+    an earlier interrupted call, that runs in whatever call is traced then), and
+    weakref callbacks and finalizers, which run when an object dies."""
 
     def __init__(self, at: int, error: BaseException) -> None:
         # A fresh copy each time: one instance raised again and again would carry
@@ -90,7 +93,12 @@ class RaiseAtCall:
 
     def __call__(self, frame: Any, event: str, _arg: Any) -> None:
         code = frame.f_code
-        if event != "call" or code.co_flags & inspect.CO_GENERATOR or _ignored_by_python(code):
+        if (
+            event != "call"
+            or code.co_flags & inspect.CO_GENERATOR
+            or _ignored_by_python(code)
+            or isinstance(sys.exc_info()[1], GeneratorExit)
+        ):
             return
         if ours(frame) or ours(frame.f_back):
             self.calls += 1
