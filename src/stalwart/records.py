@@ -109,7 +109,8 @@ def _data_view(tensor: torch.Tensor) -> memoryview:
     One flat run of unsigned bytes, cut from a ctypes array over the tensor's
     memory that holds the tensor, so that the view, and any buffer cut from
     it, keeps the tensor alive: under half the time of ``Tensor.numpy``'s view
-    (1.8 against 4.6 us here), for any dtype.
+    (the benchmark's 192 tensors, alternately in one run: 2.0 against 4.9 us
+    each), for any dtype.
     """
     nbytes = tensor.nbytes
     if nbytes == 0:
