@@ -109,6 +109,33 @@ def direct_io_works(directory: Path) -> bool:
 
 
 @pytest.mark.slow
+def test_the_persist_reference_is_a_raw_write_timed_in_a_saves_place(
+    quick_run: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The raw write the persist goal divides by takes its turn among the saves of each
+    round, as a save does; the writes at the rounds' edges are shown beside it."""
+    out, results = quick_run
+    md = (out / "quick.md").read_text(encoding="utf-8")
+    assert md.count("*ref: the same raw write at the rounds' edges*") == 2
+    for entry in results["sizes"]:
+        refs = entry["references"]
+        samples = refs["samples"]
+        repeats = entry["methods"]["stalwart_sync"]["repeats"]
+        # One per timed round among the saves; at the edges two per timed round, and
+        # one per extra round that the references get (at least three rounds).
+        assert len(samples["write_in_round"]) == repeats, samples
+        assert len(samples["write"]) == 2 * repeats + max(3 - repeats, 0), samples
+        assert refs["raw_write_s"] == min(samples["write_in_round"])
+        assert refs["raw_write_edge_s"] == min(samples["write"])
+        every_cpu = samples["write_cpu"] + samples["write_in_round_cpu"]
+        assert refs["raw_write_cpu_s"] == min(every_cpu)
+    persist = [t for t in results["targets"] if t["target"].startswith("persist")]
+    assert persist and all("raw write among the saves" in t["detail"] for t in persist)
+    assert all("at the rounds' edges" in t["detail"] for t in persist)
+    assert not list((tmp_path_factory.getbasetemp()).rglob("round*.bin")), "left behind"
+
+
+@pytest.mark.slow
 def test_quick_mode_measures_a_raw_direct_write_and_compares_persist_with_it(
     quick_run: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -120,11 +147,16 @@ def test_quick_mode_measures_a_raw_direct_write_and_compares_persist_with_it(
         return
     md = (out / "quick.md").read_text(encoding="utf-8")
     assert md.count("*ref: raw sequential direct write (O_DIRECT) + fsync*") == 2
+    assert md.count("*ref: the same direct write at the rounds' edges*") == 2
     for entry in results["sizes"]:
         refs = entry["references"]
+        samples = refs["samples"]
         assert positive(refs["raw_write_direct_s"]), refs
         assert positive(refs["raw_write_direct_cpu_s"]), refs
-        assert len(refs["samples"]["write_direct"]) == len(refs["samples"]["write"])
+        assert len(samples["write_direct"]) == len(samples["write"])
+        assert len(samples["write_direct_in_round"]) == len(samples["write_in_round"])
+        assert refs["raw_write_direct_s"] == min(samples["write_direct_in_round"])
+        assert refs["raw_write_direct_edge_s"] == min(samples["write_direct"])
     persist = [t for t in results["targets"] if t["target"].startswith("persist")]
     assert len(persist) == 2
     for row in persist:
