@@ -160,8 +160,8 @@ def analyze(results: dict[str, Any]) -> None:
                     f"{_ms(ev['checksum_s'])} + commit {_ms(ev['commit_s'])} + state_dict/other "
                     f"{_ms(ss['e2e_s'] - ev['write_s'] - ev['checksum_s'] - ev['commit_s'])}; "
                     f"raw write among the saves {_ms(refs['raw_write_s'])}"
-                    + _edge_write(ss, refs)
-                    + _direct_write(ss, refs),
+                    + _against(ss, refs, "raw_write_edge_s", _EDGE_WRITE)
+                    + _against(ss, refs, "raw_write_direct_s", _DIRECT_WRITE),
                 )
             )
             cpu_x = _div(ss.get("cpu_s"), refs.get("raw_write_cpu_s"))
@@ -351,26 +351,20 @@ def _edge_row(
     )
 
 
-def _edge_write(sync: dict[str, Any], refs: dict[str, Any]) -> str:
-    """The persist row's note on the raw write at the rounds' edges, if measured."""
-    edge = refs.get("raw_write_edge_s")
-    if not edge:
-        return ""
-    return (
-        f" (at the rounds' edges {_ms(edge)}, after reads, not after a write: "
-        f"{_num(edge / sync['e2e_s'])}x of that)"
-    )
+_EDGE_WRITE = " (at the rounds' edges {ref}, after reads, not after a write: {x}x of that)"
+_DIRECT_WRITE = (
+    "; raw direct write (O_DIRECT, how stalwart writes large tensors) {ref}: "
+    "the sync save is {x}x its throughput"
+)
 
 
-def _direct_write(sync: dict[str, Any], refs: dict[str, Any]) -> str:
-    """The persist row's comparison with a raw direct write of the same bytes, if measured."""
-    direct = refs.get("raw_write_direct_s")
-    if not direct:
+def _against(sync: dict[str, Any], refs: dict[str, Any], key: str, text: str) -> str:
+    """The persist row's note comparing the sync save with the reference ``key``
+    (``text`` with the reference's time and the throughput ratio), if measured."""
+    ref = refs.get(key)
+    if not ref:
         return ""
-    return (
-        f"; raw direct write (O_DIRECT, how stalwart writes large tensors) {_ms(direct)}: "
-        f"the sync save is {_num(direct / sync['e2e_s'])}x its throughput"
-    )
+    return text.format(ref=_ms(ref), x=_num(ref / sync["e2e_s"]))
 
 
 def _per_call_cpu(
