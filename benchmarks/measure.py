@@ -677,6 +677,8 @@ def _raw_write_and_read(refs: References, i: int, samples: dict[str, list[float]
 
 
 INTERLEAVED = tuple(name for name in METHODS if name != "dcp_async_process")
+RAW_IN_ROUND = ("raw write", "raw direct write")
+"""The raw writes' places among the methods of a round (``job_timing``)."""
 
 
 def _raw_write_in_round(
@@ -695,7 +697,7 @@ def _raw_write_in_round(
     no save of the rotation has; both are reported (``docs/benchmarks.md``
     has what the two places measured).
     """
-    if name == "raw write":
+    if name == RAW_IN_ROUND[0]:
         elapsed, cpu, path = refs.write(i, stem="round")
         samples["write_in_round"].append(elapsed)
         samples["write_in_round_cpu"].append(cpu)
@@ -705,10 +707,6 @@ def _raw_write_in_round(
     elif (direct := refs.write_direct(i)) is not None:  # its file deleted at once
         samples["write_direct_in_round"].append(direct[0])
         samples["write_direct_in_round_cpu"].append(direct[1])
-
-
-RAW_IN_ROUND = ("raw write", "raw direct write")
-"""The raw writes' places among the methods of a round (``job_timing``)."""
 
 
 def _rotated(names: list[str], i: int) -> list[str]:

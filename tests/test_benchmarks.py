@@ -321,6 +321,19 @@ def test_each_method_comes_first_once_in_as_many_rounds_as_there_are_methods(
     assert sorted(order[0] for order in orders) == sorted(names)
 
 
+def test_the_raw_writes_take_turns_among_the_saves_under_names_no_method_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The timing job keeps each rotation member's latest file under its name: a raw
+    write named like a method would delete that method's checkpoint."""
+    measure = bench_measure(monkeypatch)
+    assert len(measure.RAW_IN_ROUND) == 2
+    assert not set(measure.RAW_IN_ROUND) & set(measure.METHODS)
+    names = [*measure.INTERLEAVED, *measure.RAW_IN_ROUND]
+    orders = [measure._rotated(names, i) for i in range(1, len(names) + 1)]
+    assert sorted(order[0] for order in orders) == sorted(names)
+
+
 def test_certificate_job_measures_the_per_step_cost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
