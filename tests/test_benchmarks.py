@@ -299,6 +299,29 @@ def test_render_writes_the_same_report_again_from_a_runs_json(
     assert not (tmp_path / "other.md").exists()
 
 
+@pytest.mark.slow
+def test_a_run_from_before_the_writes_among_the_saves_renders_as_it_was(
+    quick_run: tuple[Path, dict],
+) -> None:
+    """A run whose raw writes were timed at the rounds' edges only (no edge keys: its
+    reference is those writes) is not described as timed among the saves."""
+    import copy
+
+    _out, results = quick_run
+    report = bench_report()
+    old = copy.deepcopy({k: v for k, v in results.items() if k != "targets"})
+    for entry in old["sizes"]:
+        entry["references"].pop("raw_write_edge_s")
+        entry["references"].pop("raw_write_direct_edge_s", None)
+    report.analyze(old)
+    md = report.markdown(old)
+    assert "among the saves" not in md and "rounds' edges" not in md
+    assert "floor of persist (a new file) |" in md
+    new = copy.deepcopy({k: v for k, v in results.items() if k != "targets"})
+    report.analyze(new)
+    assert "raw write among the saves" in report.markdown(new)
+
+
 def bench_measure(monkeypatch: pytest.MonkeyPatch) -> Any:
     """benchmarks/measure.py, loaded as a module (its neighbours on the path)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # measure imports its neighbours
