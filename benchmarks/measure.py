@@ -704,9 +704,12 @@ def _raw_write_in_round(
         if name in latest:
             _remove_checkpoint(latest[name])
         latest[name] = path
-    elif (direct := refs.write_direct(i)) is not None:  # its file deleted at once
-        samples["write_direct_in_round"].append(direct[0])
-        samples["write_direct_in_round_cpu"].append(direct[1])
+    elif name == RAW_IN_ROUND[1]:
+        if (direct := refs.write_direct(i)) is not None:  # its file deleted at once
+            samples["write_direct_in_round"].append(direct[0])
+            samples["write_direct_in_round_cpu"].append(direct[1])
+    else:
+        raise ValueError(f"{name!r} is not one of the raw writes {RAW_IN_ROUND}")
 
 
 def _rotated(names: list[str], i: int) -> list[str]:

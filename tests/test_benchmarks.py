@@ -355,6 +355,8 @@ def test_the_raw_writes_take_turns_among_the_saves_under_names_no_method_has(
     names = [*measure.INTERLEAVED, *measure.RAW_IN_ROUND]
     orders = [measure._rotated(names, i) for i in range(1, len(names) + 1)]
     assert sorted(order[0] for order in orders) == sorted(names)
+    with pytest.raises(ValueError, match="not one of the raw writes"):
+        measure._raw_write_in_round(None, 1, "torch_save", {}, {})
 
 
 def test_certificate_job_measures_the_per_step_cost(
