@@ -359,6 +359,46 @@ def test_the_raw_writes_take_turns_among_the_saves_under_names_no_method_has(
         measure._raw_write_in_round(None, 1, "torch_save", {}, {})
 
 
+def test_the_stall_breakdown_times_the_staging_copy_into_reused_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stall's staging copy is timed as every save but the first makes it: into the
+    buffers an earlier save left, no buffer allocated while timed. The first save's
+    copy into fresh memory is reported apart."""
+    import stalwart.staging
+
+    measure = bench_measure(monkeypatch)
+    model, opt, state = measure.build_state(measure.TINY_BYTES)
+    tensors = sum(1 for _ in measure.tensors_of(state.state_dict()))
+    made: list[object] = []
+    real = stalwart.staging._new_buffer
+
+    def counted(t: Any, pinned: bool) -> Any:
+        made.append(t)
+        return real(t, pinned)
+
+    monkeypatch.setattr(stalwart.staging, "_new_buffer", counted)
+    parts = measure._stalwart_stall_breakdown(model, opt, state, repeats=3)
+    assert len(made) == tensors, "buffers allocated for the first copy only"
+    assert set(parts) == {
+        "get_state_dict_s",
+        "trainstate_state_dict_s",
+        "stage_copy_s",
+        "stage_copy_fresh_s",
+    }
+    assert all(positive(v) for v in parts.values())
+
+
+def test_the_stall_parts_name_where_their_staging_copy_went() -> None:
+    report = bench_report()
+    old = {"trainstate_state_dict_s": 0.002, "get_state_dict_s": 0.01, "stage_copy_s": 0.068}
+    assert report._stall_parts(old).endswith("stage copy into fresh memory 68.0 ms")
+    new = {**old, "stage_copy_s": 0.015, "stage_copy_fresh_s": 0.07}
+    text = report._stall_parts(new)
+    assert "stage copy into the reused buffers 15.0 ms" in text
+    assert "first save, into fresh memory: 70.0 ms" in text
+
+
 def test_certificate_job_measures_the_per_step_cost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
