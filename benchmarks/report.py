@@ -126,7 +126,8 @@ def analyze(results: dict[str, Any]) -> None:
                     x,
                     f"<= {TARGET_STALL_X_MEMCPY}x",
                     x <= TARGET_STALL_X_MEMCPY,
-                    f"stall {_ms(sa['stall_s'])}: {_stall_parts(b)}; memcpy {_ms(refs['memcpy_s'])}, "
+                    f"stall {_ms(sa['stall_s'])}; its parts timed alone: {_stall_parts(b)}; "
+                    f"memcpy {_ms(refs['memcpy_s'])}, "
                     f"clone into fresh memory {_ms(refs['clone_s'])}",
                 )
             )
@@ -687,7 +688,7 @@ def _size_section(entry: dict[str, Any], meta: dict[str, Any], add: Any) -> None
             )
         if name == "stalwart_async":
             b = m["breakdown"]
-            notes.append(f"stall = {_stall_parts(b)}")
+            notes.append(f"the stall's parts timed alone: {_stall_parts(b)}")
         if "worker_peak_rss_growth_mib" in m:
             notes.append(f"+ worker process {m['worker_peak_rss_growth_mib']:.0f} MiB")
         notes.extend(m.get("notes", []))
