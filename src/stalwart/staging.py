@@ -62,6 +62,12 @@ class StagingArea:
 
         def buffer_for(t: torch.Tensor) -> torch.Tensor:
             nonlocal cuda_copies
+            if t.requires_grad:
+                # A parameter: copied as data, which autograd does not record. (Not
+                # under torch.no_grad(): an error raised into this thread while that
+                # block is entered or left, a signal handler's, would leave autograd
+                # off in the training thread.)
+                t = t.detach()
             on_gpu = t.device.type == "cuda"
             n = len(kept)
             if n < len(slots) and slots[n][1] == on_gpu:
@@ -105,10 +111,9 @@ class StagingArea:
                 return tuple(copy_value(v) for v in value)
             return copy.deepcopy(value)
 
-        with torch.no_grad():
-            staged = copy_value(state_dict)
-            if cpu_dst:
-                torch._foreach_copy_(cpu_dst, cpu_src)
+        staged = copy_value(state_dict)
+        if cpu_dst:
+            torch._foreach_copy_(cpu_dst, cpu_src)
         self._slots = kept  # buffers this state no longer needs are dropped
         if cuda_copies:
             torch.cuda.synchronize()

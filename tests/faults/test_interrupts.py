@@ -96,6 +96,8 @@ def test_an_error_raised_into_a_save_at_any_call_loses_nothing(
             trace = RaiseAtCall(at, error)
             values = {k: v.clone() for k, v in model.state_dict().items()}
             outcome = traced(trace, lambda s=step: save(s))
+            # Nothing the save turned off stays off: autograd is on in this thread.
+            assert torch.is_grad_enabled(), trace.where
             with contextlib.suppress(stalwart.CheckpointSaveError):
                 ckpt.wait()  # a background save that went on settles first
             if trace.where is None or ckpt.storage.step_path(step).exists():

@@ -85,11 +85,9 @@ class NativeStateDict:
     def _rebuild(
         self, plain: dict[str, Any], optimizers: list[torch.optim.Optimizer]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        with torch.no_grad():
-            # model.state_dict() returns an OrderedDict, and so does DCP.
-            model_sd = type(plain)(
-                (key, plain[source].detach()) for key, source in self._model_keys
-            )
+        # model.state_dict() returns an OrderedDict, and so does DCP. (detach, not
+        # torch.no_grad(): see staging.StagingArea.stage.)
+        model_sd = type(plain)((key, plain[source].detach()) for key, source in self._model_keys)
         state: dict[str, Any] = {}
         groups: list[dict[str, Any]] = []
         for opt, fqns in zip(optimizers, self._fqns, strict=True):
