@@ -295,12 +295,12 @@ class CheckpointManager:
         return self._preempted
 
     def all_steps(self) -> list[int]:
-        """Committed steps, oldest first (not verified; ``restore`` verifies)."""
+        """Committed steps, oldest first, once retention's deletions are done (not verified)."""
+        self._writer.deletions.wait()
         return self.storage.committed_steps()
 
     def latest_step(self) -> int | None:
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        return max(self.all_steps(), default=None)
 
     def should_save(self, step: int) -> bool:
         """Whether the policy (or a pending preemption) asks for a save at ``step``, on this rank.
@@ -464,9 +464,8 @@ class CheckpointManager:
     # -------------------------------------------------------------- lifecycle
 
     def wait(self) -> None:
-        """Block until an in-flight async save is committed; raise its error if it failed."""
-        if self._saver is not None:
-            self._saver.wait()
+        """Block until an in-flight async save is committed (its error raised), and retention."""
+        self._writer.wait()
 
     def wait_durable(self, timeout: float | None = None) -> bool:
         """Block until every checkpoint queued for upload is in the durable tier.
@@ -503,6 +502,7 @@ class CheckpointManager:
                 if self._saver is not None:
                     self._saver.close()
             finally:
+                self._writer.deletions.wait()
                 self._finish_uploads()
         finally:
             self._signals.uninstall()

@@ -51,7 +51,8 @@ def record(work: Path) -> None:
     """Save step 1, copy the run aside, then save step 2 with the shim recording.
 
     ``keep_last=1``: after committing step 2, retention deletes step 1 (rename
-    aside, fsync, remove), so a crash there is among the states too.
+    aside, fsync, remove; in its own thread, which ``wait`` waits for), so a
+    crash there is among the states too.
     """
     shim = Shim()
     run = work / "run"
@@ -62,6 +63,7 @@ def record(work: Path) -> None:
     (work / "inodes.json").write_text(json.dumps(inodes))
     shim.arm(run, log=work / "ops.log")
     assert ckpt.save(2, model_state(2)[0])
+    ckpt.wait()  # retention deletes step 1 in its own thread, after save returned
     shim.disarm()
     ckpt.close()
 
