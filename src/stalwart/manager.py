@@ -464,7 +464,7 @@ class CheckpointManager:
     # -------------------------------------------------------------- lifecycle
 
     def wait(self) -> None:
-        """Block until an in-flight async save is committed (its error raised), and retention."""
+        """Wait for an in-flight async save (raising its error) and for retention's deletions."""
         self._writer.wait()
 
     def wait_durable(self, timeout: float | None = None) -> bool:
