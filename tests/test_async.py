@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -75,6 +76,11 @@ def test_staged_copies_are_detached_exact_and_independent_of_the_source() -> Non
 
 
 def test_peak_memory_does_not_grow_over_100_async_saves(tmp_path) -> None:
+    """RSS is sampled every 10 saves. A buffer kept per save (or any share of one)
+    grows it in every interval; the allocator keeping a freed buffer's memory for
+    reuse (glibc does, once a thread first frees one of that size) is a step in one
+    interval, once. So the growth less its two largest steps must stay under half
+    the state: a leak of 1/160 of the state per save fails."""
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 512)).sum().backward()
@@ -83,22 +89,23 @@ def test_peak_memory_does_not_grow_over_100_async_saves(tmp_path) -> None:
     state_bytes = sum(
         p.numel() * 4 * 3 for p in model.parameters()
     )  # params + exp_avg + exp_avg_sq
+    samples = []
     with stalwart.CheckpointManager(tmp_path, async_save=True, keep_last=2) as ckpt:
-        for step in range(1, 11):
+        for step in range(1, 111):
+            if step > 10:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(1e-3)
             ckpt.save(step, state)
-        ckpt.wait()
-        after_warmup = _rss_bytes()
-        for step in range(11, 111):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1e-3)
-            ckpt.save(step, state)
-        ckpt.wait()
-        after_100 = _rss_bytes()
+            if step % 10 == 0:
+                ckpt.wait()
+                samples.append(_rss_bytes())
         assert ckpt.all_steps() == [109, 110]
-    growth = after_100 - after_warmup
-    assert growth < state_bytes, (
-        f"RSS grew by {growth} bytes over 100 saves (state is {state_bytes})"
+    steps = sorted(b - a for a, b in itertools.pairwise(samples))
+    growth = samples[-1] - samples[0]
+    assert growth - sum(steps[-2:]) < state_bytes / 2, (
+        f"RSS grew by {growth} bytes over 100 saves, in steps of {steps} every 10 saves "
+        f"(state is {state_bytes})"
     )
 
 

@@ -23,6 +23,7 @@ from stalwart.safe_load import read_dcp_metadata, safe_load
 from stalwart.verify import read_manifest
 
 from .conftest import assert_same, flip_byte, make_parts, snapshot, train_steps
+from .support.interrupts import open_fds
 
 
 def saved(run: Path, width: int = 64) -> tuple[Path, dict]:
@@ -191,10 +192,6 @@ def test_garbage_is_not_decoded() -> None:
 
 
 # ------------------------------------------------------------------ checks begun, not waited for
-
-
-def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs Linux's /proc/self/fd")

@@ -30,6 +30,7 @@ from stalwart.restore_protocol import Restorable, RestorePlan
 from stalwart.safe_load import read_dcp_metadata
 
 from .conftest import assert_same, flip_byte, make_parts, train_steps
+from .support.interrupts import open_fds
 
 
 def saved_checkpoint(run: Path, **parts_kwargs: Any) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -306,7 +307,7 @@ class Unplannable(Weights):
 @pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs Linux's /proc/self/fd")
 def test_a_state_that_cannot_plan_leaves_no_check_running_and_no_file_open(tmp_path: Path) -> None:
     ckpt, weights = saved_checkpoint(tmp_path / "run")
-    before = set(os.listdir("/proc/self/fd"))
+    before = open_fds()
     with pytest.raises(TypeError, match="cannot plan"):
         load_checkpoint(ckpt, Unplannable(set(weights)))
-    assert set(os.listdir("/proc/self/fd")) == before
+    assert open_fds() == before

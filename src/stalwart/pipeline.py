@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from stalwart.distributed import Coordinator, RankError
@@ -36,7 +37,7 @@ from stalwart.errors import (
 from stalwart.gc_pause import gc_paused
 from stalwart.layout import MANIFEST_NAME
 from stalwart.manifest import FileEntry, Manifest, hash_file, open_checkpoint_file
-from stalwart.reader import VerifiedFileReader, verified_checkpoint
+from stalwart.reader import VerifiedFileReader, VerifiedFiles, verified_checkpoint
 from stalwart.restore_protocol import Restorable
 from stalwart.safe_load import raise_interrupt, safe_load
 from stalwart.save_plan import CachingSavePlanner, SavePlanCache
@@ -423,11 +424,13 @@ def _load_checkpoint(
     # Each file is read once: checked in memory here (or when first needed),
     # then DCP reads from those bytes (stalwart.reader). The data files are
     # still being checked when this returns: see gate() below.
-    files, metadata = _agree(
-        coord,
-        lambda: verified_checkpoint(path, part=(coord.rank, coord.world_size), wait=False),
-    )
-    manifest = files.manifest
+    opened: list[VerifiedFiles] = []
+
+    def verify() -> tuple[VerifiedFiles, Metadata]:
+        found = verified_checkpoint(path, part=(coord.rank, coord.world_size), wait=False)
+        opened.append(found[0])
+        return found
+
     group = coord.group if coord.distributed else None
 
     def read(target: dict[str, Any]) -> None:
@@ -459,10 +462,15 @@ def _load_checkpoint(
         files.wait_streamed()
 
     try:
+        files, metadata = _agree(coord, verify)
         plan = state.plan_restore(metadata, strict=strict)
     except BaseException:
-        files.close()
+        # Another rank's failure, or an interrupt after this rank's files were
+        # opened: their checks run on, each holding its file, until closed.
+        for found in opened:
+            found.close()
         raise
+    manifest = files.manifest
     try:
         _agree(coord, gate)
         staged = plan.staged()

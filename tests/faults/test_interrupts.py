@@ -30,7 +30,9 @@ returning None); the ``extra`` dict emptied by an interrupt between its clear
 and its update; a descriptor left by an interrupt at a generator context
 manager's exit (``open_checkpoint_file`` now returns a file whose exit runs no
 Python code) or between a file's check and its close (a checked file's
-descriptor now closes when it is dropped).
+descriptor now closes when it is dropped); the files whose checks had begun,
+left open by an interrupt at the ranks' agreement on that step until the error
+was dropped (now closed before it comes out).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ..conftest import assert_same
 from ..hostile.harness import resign
 from ..support.interrupts import (
     KILLED,
+    RaiseAfterReturn,
     RaiseAtCall,
     RaiseBetween,
     fds_settle,
@@ -166,6 +169,33 @@ def test_an_error_raised_into_a_restore_at_any_call_keeps_the_checkpoint(
             assert_same(model.state_dict(), wanted)
             assert extra == {"k": 1}, where
         assert raised > counting.calls // RESTORE_STRIDE // 2, raised
+
+
+@pytest.mark.parametrize("error", [KILLED, KeyboardInterrupt()], ids=["handler", "ctrl-c"])
+def test_an_error_raised_once_a_restore_opened_its_files_closes_them_before_it_comes_out(
+    tmp_path: Path, error: BaseException
+) -> None:
+    """Raised at the first call after the files' checks began (the ranks' agreement on
+    the outcome): the checks run on in their threads, each holding its file, and the
+    error's traceback holds the files. They are closed before the error comes out,
+    not once the last reference to the error is dropped."""
+    model, _opt, state = small_state()
+    with stalwart.CheckpointManager(tmp_path / "run", handle_signals=False) as ckpt:
+        ckpt.save(1, state, force=True)
+        wanted = {k: v.clone() for k, v in model.state_dict().items()}
+        ckpt.wait()
+        before = open_fds()
+        trace = RaiseAfterReturn(error, "verified_checkpoint")
+        outcome = traced(trace, lambda: ckpt.restore(state))
+        assert trace.where is not None
+        assert names_the_error(outcome, trace.error), (trace.where, outcome)
+        assert trace.error.__traceback__ is not None  # every frame of the restore alive
+        assert open_fds() == before, trace.where
+        assert not list((tmp_path / "run").glob(".step_*"))  # nothing moved aside
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        assert ckpt.restore(state) == 1
+        assert_same(model.state_dict(), wanted)
 
 
 @pytest.mark.filterwarnings("ignore::ResourceWarning")

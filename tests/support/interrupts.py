@@ -107,6 +107,26 @@ class RaiseAtCall:
                 raise self.error
 
 
+class RaiseAfterReturn(RaiseAtCall):
+    """``RaiseAtCall`` raising at the first function entry after stalwart's function
+    ``name`` returned (in the traced thread)."""
+
+    def __init__(self, error: BaseException, name: str) -> None:
+        super().__init__(1, error)
+        self.name, self.returned = name, False
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and not self.returned:
+            # Trace only ``name``'s frames locally: their "return" arms the trap.
+            return self if frame.f_code.co_name == self.name and ours(frame) else None
+        if event == "return":
+            self.returned = True
+            return None
+        if self.returned:
+            return super().__call__(frame, event, arg)
+        return None
+
+
 class RaiseBetween(RaiseAtCall):
     """``RaiseAtCall`` counting only the entries from the first entry of stalwart's
     function ``start`` to the first entry of its function ``end`` after it."""
@@ -132,7 +152,20 @@ def _ignored_by_python(code: Any) -> bool:
 
 
 def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+    """This process's open descriptors: those ``/proc/self/fd`` lists that are still
+    open once it is listed. Left out: the listing's own descriptor, whose number
+    depends on what else is open at that moment (a descriptor another thread opens
+    and closes meanwhile, retention's scan of the run directory say, moves it to the
+    next number, which would then look new in a later listing), and any descriptor
+    closed meanwhile."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        found.add(name)
+    return found
 
 
 def traced(trace: RaiseAtCall, fn: Any) -> BaseException | None:
