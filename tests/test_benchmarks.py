@@ -563,3 +563,30 @@ def test_the_floor_target_is_judged_at_the_interval_the_goal_names_only() -> Non
     row = floor_row(async_run, floor_run, every=20)
     assert row["status"] == "N/A" and row["value"] == pytest.approx(6.0)
     assert "shown, not judged" in row["detail"]
+
+
+def test_the_async_cpu_target_names_the_floor_of_a_staged_checksummed_save() -> None:
+    """memcpy + xxh3 + a raw write, direct and buffered, each as a ratio to the raw write."""
+    refs = {
+        "memcpy_s": 0.010,
+        "clone_s": 0.012,
+        "xxh3_s": 0.006,
+        "raw_write_s": 0.1,
+        "raw_write_cpu_s": 0.020,
+        "raw_write_direct_cpu_s": 0.004,
+    }
+    events = {"write_s": 0.09, "checksum_s": 0.0, "commit_s": 0.005, "stage_s": 0.01}
+    run = {"stall_s": 0.1, "e2e_s": 0.1, "cpu_s": 0.04, "events": events}
+    entry = {"label": "64 MiB", "bytes": 64 * 2**20, "references": refs}
+    methods = {"stalwart_sync": run, "stalwart_async": {**run, "cpu_s": 0.05, "stall_s": 0.01}}
+    results: dict[str, Any] = {"sizes": [{**entry, "methods": methods}]}
+    bench_report().analyze(results)
+    (row,) = [t for t in results["targets"] if t["target"].startswith("async save's CPU")]
+    assert row["value"] == pytest.approx(2.5)
+    assert "the floor of a staged, checksummed save): 20.0 ms (1.00x) with" in row["detail"]
+    assert "36.0 ms (1.80x) through the page cache" in row["detail"]
+    del refs["raw_write_direct_cpu_s"]  # an older run's results: no floor named
+    results = {"sizes": [{**entry, "methods": methods}]}
+    bench_report().analyze(results)
+    (row,) = [t for t in results["targets"] if t["target"].startswith("async save's CPU")]
+    assert "staged" not in row["detail"]
