@@ -21,7 +21,8 @@ unmapping them costs more again. A ``StreamedFile`` instead:
 
 Only raw tensor data is read a second time, never anything that is decoded;
 pickles, zip framing and metadata are always the checked copies. Extra memory
-is two chunk buffers (4 MiB, or the file's size if smaller) plus the kept spans, not a checkpoint's size.
+is two chunk buffers (4 MiB, or the file's size if smaller) plus the kept
+spans, not a checkpoint's size.
 """
 
 from __future__ import annotations
