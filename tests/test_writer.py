@@ -408,3 +408,47 @@ def test_records_are_prepared_ahead_of_their_writes_copies_only_so_far(
             assert (tensor.data_ptr() == value.data_ptr()) is not views  # a view: its own copy
             record = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
             assert record == torch_save_bytes(value.clone())
+
+
+@pytest.mark.parametrize("short_writes", [False, True])
+def test_every_kind_of_buffer_is_written_and_hashed_as_its_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, short_writes: bool
+) -> None:
+    """``HashedFile.add`` keeps flat byte views as they are and casts anything else once:
+    floats, a 2-D view, a non-byte format, a slice, bytearray, an empty buffer."""
+    import array
+
+    import numpy as np
+
+    floats = array.array("f", [1.5, -2.25, 3.0])
+    grid = np.arange(24, dtype=np.uint8).reshape(4, 6)
+    wide = np.arange(5, dtype=np.int64)
+    buffers: list[object] = [
+        b"head",
+        bytearray(b"\x00\x01\x02"),
+        memoryview(floats),
+        memoryview(grid),
+        memoryview(wide),
+        memoryview(b"0123456789")[3:7],
+        b"",
+        memoryview(bytes(range(256))),
+    ]
+    expected = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)  # type: ignore[arg-type]
+    if short_writes:
+        real = hashed_file.os.writev
+
+        def short_writev(fd: int, pending: list[memoryview]) -> int:
+            first = next(b for b in pending if b.nbytes)
+            return real(fd, [first.cast("B")[:5]])  # mid-row of a 2-D view
+
+        monkeypatch.setattr(hashed_file.os, "writev", short_writev)
+    out = hashed_file.HashedFile(tmp_path / "f")
+    try:
+        out.add(buffers[:4])
+        out.flush()
+        out.add(buffers[4:])
+        entry = out.finish()
+    finally:
+        out.abandon()
+    assert (tmp_path / "f").read_bytes() == expected
+    assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "f")

@@ -142,7 +142,7 @@ class RecordTemplates:
     """Layouts kept (a few hundred bytes each); far more than a model's distinct shapes."""
 
     def __init__(self) -> None:
-        self._parts: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+        self._parts: dict[tuple[Any, ...], tuple[memoryview, memoryview]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -150,6 +150,9 @@ class RecordTemplates:
 
     def record(self, tensor: torch.Tensor, settings: tuple[Any, ...] | None) -> list[Any]:
         """The buffers whose concatenation is ``torch.save(tensor)``'s output, in order.
+
+        Every one a flat view of unsigned bytes (the framing's made once per
+        layout), which ``HashedFile.add`` queues without a view of its own.
 
         ``settings`` is ``record_settings()``, read when the file was started.
         """
@@ -222,7 +225,7 @@ def _address_of(view: memoryview) -> int:
     return address
 
 
-def _cut_framing(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+def _cut_framing(tensor: torch.Tensor) -> tuple[memoryview, memoryview] | None:
     """Header and trailer that ``torch.save(tensor)`` writes around the tensor's data.
 
     None when no single write was the tensor's data (a torch that writes it in
@@ -234,4 +237,4 @@ def _cut_framing(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
     # Exactly one write was the data itself: the framing is the rest, in order.
     if capture.data_writes != 1:
         return None
-    return b"".join(capture.before), b"".join(capture.after)
+    return memoryview(b"".join(capture.before)), memoryview(b"".join(capture.after))

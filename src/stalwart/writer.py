@@ -108,7 +108,7 @@ save's page-aligned staging buffers) and whose other records are few stays as
 it is: packing would cut the large ones' direct writes into small ones."""
 _PREPARE_COPIES = 64 * 2**20
 """Bytes of tensor copies (a GPU tensor's, a view's) prepared ahead of their writes."""
-_ZEROS = bytes(DIRECT_ALIGN)
+_ZEROS = memoryview(bytes(DIRECT_ALIGN))
 _METADATA = ".metadata"
 
 # --------------------------------------------------------------------------- files
