@@ -33,6 +33,24 @@ def test_staging_reuses_its_buffers_between_saves() -> None:
     assert area.nbytes == 8 * 4
 
 
+def test_a_stage_of_an_unchanged_layout_keeps_no_new_object_per_tensor() -> None:
+    """The buffers' bookkeeping is reused as it is: a new object kept per tensor and
+    save lives on into the next save, and thousands of them (a large model) set off
+    Python's full collections while the background writer runs."""
+    area = StagingArea()
+    sd = {f"t{i}": torch.randn(3) for i in range(50)}
+    sd["w"] = torch.nn.Parameter(torch.randn(4))
+    area.stage(sd)
+    slots = list(area._slots)
+    second = area.stage(sd)
+    assert len(area._slots) == 51 and all(a is b for a, b in zip(slots, area._slots, strict=True))
+    assert all(torch.equal(second[k], v) for k, v in sd.items())
+    sd["t7"] = torch.randn(5)  # one changed shape: a new buffer for it alone
+    third = area.stage(sd)
+    changed = [k for k, (a, b) in enumerate(zip(slots, area._slots, strict=True)) if a is not b]
+    assert changed == [7] and torch.equal(third["t7"], sd["t7"])
+
+
 def test_staging_matches_buffers_by_position_whatever_the_layout_does_next() -> None:
     area = StagingArea()
     a, b = torch.randn(16, 16), torch.randn(16, 16)

@@ -473,3 +473,40 @@ def test_saved_values_are_torch_save_bytes(tmp_path: Path) -> None:
     torch.save(value, expected)
     assert cache.saved_value(value, settings).getvalue() == expected.getvalue()
     assert cache.saved_value(dict(value), settings).getvalue() == expected.getvalue()
+
+
+def test_keys_compared_in_place_agree_with_the_keys_made() -> None:
+    """``_same_keys`` (no key made per value) answers as ``_item_keys(...) == keys`` would,
+    for every change that makes DCP plan anew and for none that does not."""
+    from stalwart.save_plan import _item_keys, _same_keys
+
+    base: dict[str, object] = {
+        "a": torch.zeros(3),
+        "b": "a byte item",
+        "c": torch.ones(2, 2, dtype=torch.float16),
+    }
+    grad = torch.zeros(3)
+    grad.requires_grad_(True)
+    variants: list[dict[str, object]] = [
+        dict(base),
+        {**base, "a": torch.full((3,), 7.0)},  # new values, same layout
+        {"a2": base["a"], "b": base["b"], "c": base["c"]},  # renamed
+        {**base, "a": torch.zeros(3, dtype=torch.float64)},
+        {**base, "a": torch.zeros(4)},
+        {**base, "a": torch.zeros(3, 1)},
+        {**base, "a": grad},
+        {**base, "d": torch.zeros(1)},  # one more
+        {"a": base["a"], "b": base["b"]},  # one fewer
+        {**base, "b": torch.zeros(1)},  # a byte item turned tensor
+        {**base, "a": "now bytes"},  # and back
+        {"c": base["c"], "b": base["b"], "a": base["a"]},  # reordered
+        {**base, "a": torch.nn.Parameter(torch.zeros(3))},  # a subclass: never cached
+    ]
+    for coordinator in (False, True):
+        keys = _item_keys(base, coordinator)
+        assert keys is not None
+        for n, variant in enumerate(variants):
+            for other in (False, True):
+                expected = _item_keys(variant, other) == keys
+                assert _same_keys(keys, variant, other) is expected, (coordinator, n, other)
+    assert _same_keys(_item_keys(base, False), dict(base), False)  # type: ignore[arg-type]

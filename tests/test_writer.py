@@ -382,9 +382,10 @@ class CountingPlanner:
 def test_records_are_prepared_ahead_of_their_writes_copies_only_so_far(
     monkeypatch: pytest.MonkeyPatch, views: bool
 ) -> None:
-    """Every record is prepared before the first is written, unless preparing makes
-    copies (a view's own bytes here, a GPU tensor's on the host): then at most
-    ``_PREPARE_COPIES`` bytes of them ahead. Byte items come first, as DCP writes."""
+    """Records are prepared before the first is written (up to ``_PREPARE_RECORDS``),
+    unless preparing makes copies (a view's own bytes here, a GPU tensor's on the
+    host): then at most ``_PREPARE_COPIES`` bytes of them ahead. Byte items come
+    first, as DCP writes."""
     base = torch.arange(8 * 256, dtype=torch.float32)
     values: dict[str, object] = {
         f"t{i}": base[i * 256 : (i + 1) * 256] if views else base[i * 256 : (i + 1) * 256].clone()
@@ -452,3 +453,81 @@ def test_every_kind_of_buffer_is_written_and_hashed_as_its_bytes(
         out.abandon()
     assert (tmp_path / "f").read_bytes() == expected
     assert (entry.size, entry.xxh3_128) == hash_file(tmp_path / "f")
+
+
+def test_records_are_prepared_at_most_a_batch_ahead_byte_items_included(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A state of many small values never has all their records alive at once."""
+    values: dict[str, object] = {f"t{i}": torch.full((3,), float(i)) for i in range(7)}
+    values.update({f"b{i}": io.BytesIO(b"v%d" % i) for i in range(3)})
+    items = [
+        WriteItem(
+            index=MetadataIndex(name),
+            type=WriteItemType.BYTE_IO if name.startswith("b") else WriteItemType.TENSOR,
+        )
+        for name in values
+    ]
+    monkeypatch.setattr(writer_module, "_PREPARE_RECORDS", 4)
+    planner = CountingPlanner(values)
+    with without_zip_crc():
+        prepared = writer_module._prepared(items, planner, RecordTemplates())  # type: ignore[arg-type]
+        seen = []
+        for n, (item, tensor, buffers) in enumerate(prepared):
+            # Each batch of four is prepared when its first record is asked for.
+            assert planner.resolved == min(len(values), (n // 4 + 1) * 4), n
+            value = values[item.index.fqn]
+            if isinstance(value, torch.Tensor):
+                record = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+                assert tensor is value and record == torch_save_bytes(value)
+            else:
+                assert tensor is None and bytes(buffers[0]) == value.getvalue()  # type: ignore[attr-defined]
+            seen.append(item.index.fqn)
+    assert seen == [*(f"b{i}" for i in range(3)), *(f"t{i}" for i in range(7))]
+
+
+def test_a_save_of_an_unchanged_layout_reuses_the_last_write_results(tmp_path: Path) -> None:
+    """Same layout: the very same results (no objects made per item). A changed layout
+    (a tensor grown in the middle of the file) is planned anew and gets new results,
+    reused in turn by the next save; the values read back are each save's own."""
+    from stalwart.save_plan import CachingSavePlanner, SavePlanCache
+
+    plans, templates = SavePlanCache(), RecordTemplates()
+
+    def save_with_cache(sd: dict[str, object], path: Path) -> list[object]:
+        writer = ChecksummingWriter(path, templates=templates, plans=plans)
+        try:
+            with warnings.catch_warnings(), without_zip_crc():
+                warnings.filterwarnings("ignore", message=_NO_DIST)
+                dcp.save(
+                    sd,
+                    storage_writer=writer,
+                    planner=CachingSavePlanner(plans, settings=records.record_settings()),
+                    no_dist=True,
+                )
+            writer.sync()
+        finally:
+            writer.close()
+        ((_key, results),) = plans._results.items()
+        return list(results)
+
+    g = torch.Generator().manual_seed(3)
+    sd = {f"t{i}": torch.randn(50 + i, generator=g) for i in range(6)}
+    first = save_with_cache(sd, tmp_path / "a")
+    sd = {k: v + 1 for k, v in sd.items()}  # new values, the same layout
+    second = save_with_cache(sd, tmp_path / "b")
+    assert len(second) == 6 and all(a is b for a, b in zip(first, second, strict=True))
+    grown = dict(sd, t2=torch.randn(500, generator=g))
+    third = save_with_cache(grown, tmp_path / "c")  # planned anew: new items, new results
+    assert not any(a is b for a, b in zip(second, third, strict=True))
+    assert [r.storage_data.offset for r in third[3:]] != [r.storage_data.offset for r in second[3:]]
+    grown = {k: v * 2 for k, v in grown.items()}
+    fourth = save_with_cache(grown, tmp_path / "d")
+    assert all(a is b for a, b in zip(third, fourth, strict=True))
+    for name, expected in (("b", sd), ("d", grown)):
+        target = {k: torch.zeros_like(v) for k, v in expected.items()}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_DIST)
+            dcp.load(target, storage_reader=FileSystemReader(tmp_path / name), no_dist=True)
+        for k, v in expected.items():
+            assert torch.equal(target[k], v), (name, k)

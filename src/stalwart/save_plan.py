@@ -56,6 +56,7 @@ from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from stalwart import metadata_json
 from stalwart.state.plain import is_plain_data
@@ -89,6 +90,8 @@ class SavePlanCache:
     """Non-tensor values whose ``torch.save`` bytes are kept, the oldest dropped first."""
     MAX_VALUE_BYTES = 64 * 1024
     """Larger values are saved anew every time (and are no fixed cost then)."""
+    MAX_FILES = 64
+    """Files whose write results are kept (``file_results``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -96,16 +99,18 @@ class SavePlanCache:
         self._local: tuple[list[Any], list[WriteItem]] | None = None
         self._pickled: _Pickled | None = None
         self._values: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
+        self._results: dict[str, list[WriteResult]] = {}
         self.hits = 0
         self.misses = 0
 
-    def local_items(self, keys: list[Any] | None) -> list[WriteItem] | None:
-        """The last local plan's items if it was planned for these ``_item_keys``."""
-        if keys is None:
-            return None
+    def local_items(
+        self, state_dict: dict[str, Any], is_coordinator: bool
+    ) -> list[WriteItem] | None:
+        """The last local plan's items if it was planned for a flattened state dict of the
+        same ``_item_keys`` (compared in place: no key is made for a state that matches)."""
         with self._lock:
             cached = self._local
-        if cached is None or cached[0] != keys:
+        if cached is None or not _same_keys(cached[0], state_dict, is_coordinator):
             return None
         return list(cached[1])
 
@@ -114,6 +119,18 @@ class SavePlanCache:
         if keys is not None:
             with self._lock:
                 self._local = (keys, list(items))
+
+    def file_results(self, storage_key: str) -> list[WriteResult]:
+        """The write results of the last save's file named ``storage_key`` (none: [])."""
+        with self._lock:
+            return self._results.get(storage_key, [])
+
+    def keep_file_results(self, storage_key: str, results: list[WriteResult]) -> None:
+        """Remember a file's write results, for the next save's file of that name to reuse."""
+        with self._lock:
+            if len(self._results) >= self.MAX_FILES:
+                self._results.clear()  # a rank's files are a few names: only a renumbering
+            self._results[storage_key] = results
 
     def global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata] | None:
         """The cached global plan and metadata if ``all_plans`` equals the cached local plans."""
@@ -267,6 +284,35 @@ def _item_keys(state_dict: dict[str, Any], is_coordinator: bool) -> list[Any] | 
     return keys
 
 
+def _same_keys(keys: list[Any], state_dict: dict[str, Any], is_coordinator: bool) -> bool:
+    """``_item_keys(state_dict, is_coordinator) == keys``, without making the keys.
+
+    A key per value, kept until compared, was thousands of objects per save of
+    a large model: enough to set off Python's collections in a save written in
+    the background.
+    """
+    if len(keys) != len(state_dict) + 1 or keys[0] != is_coordinator:
+        return False
+    for n, (fqn, obj) in enumerate(state_dict.items(), start=1):
+        key = keys[n]
+        if type(obj) is torch.Tensor:
+            if not (
+                type(key) is tuple
+                and key[0] == fqn
+                and key[1] == obj.dtype
+                and key[2] == obj.shape
+                and key[3] == obj.layout
+                and key[4] == obj.requires_grad
+                and key[5] == obj.is_pinned()
+            ):
+                return False
+        elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
+            return False  # never cached: see _item_keys
+        elif type(key) is not str or key != fqn:
+            return False
+    return True
+
+
 def _plain_tensor_at(obj: Any, offset: Any) -> bool:
     """``find_tensor_shard``'s answer is ``obj`` itself: a plain tensor looked up at its origin."""
     return type(obj) is torch.Tensor and (
@@ -307,11 +353,12 @@ class CachingSavePlanner(DefaultSavePlanner):
             self.state_dict = _flatten_sharded_tensors(self.state_dict)
 
     def create_local_plan(self) -> SavePlan:
-        keys = _item_keys(self.state_dict, self.is_coordinator)
-        items = self._cache.local_items(keys)
+        items = self._cache.local_items(self.state_dict, self.is_coordinator)
         if items is None:
             plan = super().create_local_plan()
-            self._cache.keep_local_items(keys, plan.items)
+            self._cache.keep_local_items(
+                _item_keys(self.state_dict, self.is_coordinator), plan.items
+            )
             return plan
         self.plan = SavePlan(items, planner_data=self.mappings if self.flatten_state_dict else None)
         return self.plan

@@ -70,13 +70,16 @@ class StagingArea:
                 t = t.detach()
             on_gpu = t.device.type == "cuda"
             n = len(kept)
-            if n < len(slots) and slots[n][1] == on_gpu:
-                buf = slots[n][0]
-                if buf.dtype != t.dtype or buf.shape != t.shape:
-                    buf = _new_buffer(t, on_gpu)
-            else:
-                buf = _new_buffer(t, on_gpu)
-            kept.append((buf, on_gpu))
+            slot = slots[n] if n < len(slots) else None
+            if (
+                slot is None
+                or slot[1] != on_gpu
+                or slot[0].dtype != t.dtype
+                or slot[0].shape != t.shape
+            ):
+                slot = (_new_buffer(t, on_gpu), on_gpu)
+            buf = slot[0]
+            kept.append(slot)  # the same tuple when reused: no new object kept per tensor
             if on_gpu:
                 buf.copy_(t, non_blocking=True)
                 cuda_copies = True
