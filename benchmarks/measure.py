@@ -104,17 +104,17 @@ def width_for(state_bytes: int, blocks: int = N_BLOCKS) -> int:
     return max(16, round(width / 16) * 16)
 
 
-def build_model(state_bytes: int, *, seed: int = 0) -> nn.Sequential:
+def build_model(state_bytes: int, *, seed: int = 0, blocks: int = N_BLOCKS) -> nn.Sequential:
     torch.manual_seed(seed)
-    width = width_for(state_bytes)
-    return nn.Sequential(*[Block(width) for _ in range(N_BLOCKS)])
+    width = width_for(state_bytes, blocks)
+    return nn.Sequential(*[Block(width) for _ in range(blocks)])
 
 
 def build_state(
-    state_bytes: int, *, seed: int = 0
+    state_bytes: int, *, seed: int = 0, blocks: int = N_BLOCKS
 ) -> tuple[nn.Module, torch.optim.Optimizer, stalwart.TrainState]:
     """Model + ``torch.optim.AdamW`` after one real step on random gradients."""
-    model = build_model(state_bytes, seed=seed)
+    model = build_model(state_bytes, seed=seed, blocks=blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
@@ -630,9 +630,9 @@ def _scrambled_copy(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Any, 
     return target_model, target_opt, stalwart.TrainState(model=target_model, optimizer=target_opt)
 
 
-def _fresh_target(state_bytes: int) -> tuple[Any, Any, Any]:
+def _fresh_target(state_bytes: int, blocks: int = N_BLOCKS) -> tuple[Any, Any, Any]:
     """A newly built model (other values) and an AdamW that has not stepped: what a restart restores into."""
-    model = build_model(state_bytes, seed=1)
+    model = build_model(state_bytes, seed=1, blocks=blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, opt, stalwart.TrainState(model=model, optimizer=opt)
 
@@ -1260,20 +1260,31 @@ def job_certificate(workdir: str, calls: int = 2000, rounds: int = 5) -> dict[st
 
 
 PER_CALL_METHODS = ("stalwart_sync", "stalwart_async", "torch_save", "dcp_save")
+MANY_BLOCKS = 96
+"""Blocks of the per-call job's second state: 2,304 tensors (a large model's count)."""
 
 
 def job_per_call(workdir: str, repeats: int) -> dict[str, Any]:
     """Each method's cost per call apart from its bytes: the benchmark's state with its
-    tensors (the same 192: 8 blocks and their AdamW state) holding almost no bytes.
+    tensors (the same 192: 8 blocks and their AdamW state) holding almost no bytes,
+    and under ``"many"`` the same for 96 blocks (2,304 tensors).
 
     Saves (CPU time of every thread, as in ``job_timing``) and warm restores,
     interleaved round by round; stalwart's restore also into fresh objects.
     This is the per-tensor work every call pays at any size (planning, the
     metadata, one record per tensor, the state-dict calls); at the benchmark's
     sizes the rest is the part that grows with the bytes, which the physical
-    floors bound. Best of ``repeats`` rounds after one untimed round.
+    floors bound. The two counts of tensors give each method's cost per tensor,
+    which is what a large model pays on every save. Best of ``repeats`` rounds
+    after one untimed round.
     """
-    model, opt, state = build_state(TINY_BYTES)
+    out = _per_call_state(workdir, repeats, N_BLOCKS)
+    out["many"] = _per_call_state(workdir, max(2, repeats // 2), MANY_BLOCKS)
+    return out
+
+
+def _per_call_state(workdir: str, repeats: int, blocks: int) -> dict[str, Any]:
+    model, opt, state = build_state(TINY_BYTES, blocks=blocks)
     root = Path(tempfile.mkdtemp(prefix="per-call-", dir=workdir))
     methods = {name: METHODS[name](root / name, model, opt, state) for name in PER_CALL_METHODS}
     target = _scrambled_copy(model, opt)
@@ -1298,7 +1309,7 @@ def job_per_call(workdir: str, repeats: int) -> dict[str, Any]:
                     restores["restore_warm"] = time.perf_counter() - t0
                     assert same_params(target[0], model), f"{name}: wrong parameters"
                 if name == "stalwart_sync":
-                    fresh = _fresh_target(TINY_BYTES)
+                    fresh = _fresh_target(TINY_BYTES, blocks)
                     t0 = time.perf_counter()
                     m.restore(path, *fresh)
                     restores["restore_fresh_warm"] = time.perf_counter() - t0

@@ -581,6 +581,36 @@ def _per_call_section(results: dict[str, Any], add: Any) -> None:
             f"| {_ms(m.get('restore_fresh_warm_s'))} |"
         )
     add("")
+    many = per_call.get("many")
+    if many:
+        _per_tensor_table(per_call, many, add)
+
+
+_PER_CALL_KEYS = ("cpu_s", "restore_warm_s", "restore_fresh_warm_s")
+
+
+def _per_tensor_table(base: dict[str, Any], many: dict[str, Any], add: Any) -> None:
+    """The same calls on a state of many more tensors, and each one's cost per tensor."""
+    extra = many["tensors"] - base["tensors"]
+    add(
+        f"The same on {many['tensors']:,} tensors ({many['bytes'] / 1024:.0f} KiB in all, best of "
+        f"{many['repeats']} rounds), and what each of the {extra:,} more tensors costs (the "
+        "difference, divided): what a model of thousands of tensors pays on every call.\n"
+    )
+    add(
+        "| method | save CPU time | per tensor | restore, warm | per tensor "
+        "| restore into fresh objects, warm | per tensor |"
+    )
+    add("|---|---|---|---|---|---|---|")
+    for name, m in many["methods"].items():
+        b = base["methods"].get(name, {})
+        cells = []
+        for key in _PER_CALL_KEYS:
+            value, before = m.get(key), b.get(key)
+            each = (value - before) / extra if value is not None and before is not None else None
+            cells += [_ms(value), "-" if each is None else f"{each * 1e6:.1f} µs"]
+        add(f"| {PER_CALL_NAMES.get(name, name)} | " + " | ".join(cells) + " |")
+    add("")
 
 
 def _us(seconds: float | None) -> str:

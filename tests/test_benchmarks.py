@@ -272,9 +272,19 @@ def test_quick_mode_measures_each_methods_cost_per_call_and_splits_the_misses_by
     for name in ("writer CPU time", "async save's CPU time", "restore (verified)"):
         details = [d for target, ds in by_target.items() if target.startswith(name) for d in ds]
         assert details and all("of these 192 tensors costs" in d for d in details), name
+    many = per_call["many"]
+    assert many["tensors"] == 2304 and set(many["methods"]) == set(methods)
+    for name, m in many["methods"].items():
+        assert positive(m["cpu_s"]) and len(m["samples"]["cpu"]) == many["repeats"], name
     md = (out / "quick.md").read_text()
     assert "## Cost per call apart from the bytes" in md
     assert "| stalwart sync (a verified restore) |" in md
+    assert "The same on 2,304 tensors" in md and "and what each of the 2,112 more tensors" in md
+    table = md.split("The same on 2,304 tensors", 1)[1].split("\n\n", 2)[1].splitlines()
+    (row,) = [line for line in table if line.startswith("| stalwart async |")]
+    assert row.count(" µs") == 1, row  # per tensor: its save's; it restores nothing
+    (row,) = [line for line in table if line.startswith("| stalwart sync")]
+    assert row.count(" µs") == 3, row  # its save, its restore, its restore into fresh objects
 
 
 def test_render_writes_the_same_report_again_from_a_runs_json(

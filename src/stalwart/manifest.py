@@ -197,37 +197,39 @@ def to_json_data(obj: Any, *, what: str) -> Any:
     dataclasses and ``argparse.Namespace``-like objects become dicts. ``what``
     names the argument in the error message.
     """
+    return _to_json_data(obj, "", what)
 
-    def walk(value: Any, where: str) -> Any:
-        if value is None or isinstance(value, (str, bool, int)):
-            return value
-        if isinstance(value, float):
-            return value
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return walk(dataclasses.asdict(value), where)
-        if isinstance(value, Mapping):
-            out: dict[str, Any] = {}
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    raise TypeError(
-                        f"{what}{where} has a key of type {type(key).__name__} ({key!r}); "
-                        "keys must be strings so the manifest stays plain JSON"
-                    )
-                out[key] = walk(item, f"{where}[{key!r}]")
-            return out
-        if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
-            return [walk(item, f"{where}[{i}]") for i, item in enumerate(value)]
-        if hasattr(value, "__dict__") and type(value).__name__ == "Namespace":
-            return walk(vars(value), where)
-        # numpy and torch scalars
-        if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
-            return walk(value.item(), where)
-        raise TypeError(
-            f"{what}{where} is a {type(value).__name__}, which JSON cannot hold; "
-            "pass str, int, float, bool, None, lists and dicts of them (or a dataclass)"
-        )
 
-    return walk(obj, "")
+def _to_json_data(value: Any, where: str, what: str) -> Any:
+    # A function of its own, not a nested one: a recursive closure is a reference
+    # cycle, left for the collector by every save.
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _to_json_data(dataclasses.asdict(value), where, what)
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"{what}{where} has a key of type {type(key).__name__} ({key!r}); "
+                    "keys must be strings so the manifest stays plain JSON"
+                )
+            out[key] = _to_json_data(item, f"{where}[{key!r}]", what)
+        return out
+    if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
+        return [_to_json_data(item, f"{where}[{i}]", what) for i, item in enumerate(value)]
+    if hasattr(value, "__dict__") and type(value).__name__ == "Namespace":
+        return _to_json_data(vars(value), where, what)
+    # numpy and torch scalars
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
+        return _to_json_data(value.item(), where, what)
+    raise TypeError(
+        f"{what}{where} is a {type(value).__name__}, which JSON cannot hold; "
+        "pass str, int, float, bool, None, lists and dicts of them (or a dataclass)"
+    )
 
 
 def stable_hash(obj: Any) -> str:

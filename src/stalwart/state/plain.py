@@ -104,40 +104,43 @@ def _where(prefix: str, path: tuple[Any, ...]) -> str:
 
 
 def check_plain(sd: Any, prefix: str) -> None:
+    _check_plain(sd, (), prefix)
+
+
+def _check_plain(value: Any, path: tuple[Any, ...], prefix: str) -> None:
     # The path is built only for an error message: formatting it for every
     # element would cost more than the walk itself on a large optimizer state.
-    def walk(value: Any, path: tuple[Any, ...]) -> None:
-        if isinstance(value, LEAVES):
-            return
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                if not isinstance(k, (str, int)) or isinstance(k, bool):
-                    raise TypeError(
-                        f"state{_where(prefix, path)} has a key of type {type(k).__name__} "
-                        f"({k!r}); checkpoint keys must be strings or integers"
-                    )
-                if not isinstance(v, LEAVES):
-                    walk(v, (*path, k))
-            return
-        if isinstance(value, (list, tuple)):
-            if all(type(v) in ATOMIC for v in value):
-                return  # e.g. the 625 ints of random.getstate(): no per-element walk
-            for i, v in enumerate(value):
-                walk(v, (*path, i))
-            return
-        if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
-            # Its state_dict() in extra would save, but never load back into the object.
-            raise TypeError(
-                f"state{_where(prefix, path)} is a {type(value).__name__}; pass modules and "
-                "optimizers to TrainState by keyword (TrainState(..., ema=ema_model)) so they "
-                "are saved through DCP and loaded back into the object (docs/multi-model.md)"
-            )
+    # (A function of its own, not a nested one: a recursive closure is a
+    # reference cycle, left for the collector by every save.)
+    if isinstance(value, LEAVES):
+        return
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise TypeError(
+                    f"state{_where(prefix, path)} has a key of type {type(k).__name__} "
+                    f"({k!r}); checkpoint keys must be strings or integers"
+                )
+            if not isinstance(v, LEAVES):
+                _check_plain(v, (*path, k), prefix)
+        return
+    if isinstance(value, (list, tuple)):
+        if all(type(v) in ATOMIC for v in value):
+            return  # e.g. the 625 ints of random.getstate(): no per-element walk
+        for i, v in enumerate(value):
+            _check_plain(v, (*path, i), prefix)
+        return
+    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+        # Its state_dict() in extra would save, but never load back into the object.
         raise TypeError(
-            f"state{_where(prefix, path)} is a {type(value).__module__}."
-            f"{type(value).__qualname__}; stalwart stores only tensors and plain data (None, "
-            "bool, int, float, str, bytes, lists, tuples, dicts) because loading any other "
-            "object needs an unpickler that can run code. Store the object's state_dict() or "
-            "plain values instead."
+            f"state{_where(prefix, path)} is a {type(value).__name__}; pass modules and "
+            "optimizers to TrainState by keyword (TrainState(..., ema=ema_model)) so they "
+            "are saved through DCP and loaded back into the object (docs/multi-model.md)"
         )
-
-    walk(sd, ())
+    raise TypeError(
+        f"state{_where(prefix, path)} is a {type(value).__module__}."
+        f"{type(value).__qualname__}; stalwart stores only tensors and plain data (None, "
+        "bool, int, float, str, bytes, lists, tuples, dicts) because loading any other "
+        "object needs an unpickler that can run code. Store the object's state_dict() or "
+        "plain values instead."
+    )
