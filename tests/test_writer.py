@@ -490,26 +490,14 @@ def test_a_save_of_an_unchanged_layout_reuses_the_last_write_results(tmp_path: P
     """Same layout: the very same results (no objects made per item). A changed layout
     (a tensor grown in the middle of the file) is planned anew and gets new results,
     reused in turn by the next save; the values read back are each save's own."""
-    from stalwart.save_plan import CachingSavePlanner, SavePlanCache
+    from stalwart.save_plan import SavePlanCache
+
+    from .support.saving import save_cached
 
     plans, templates = SavePlanCache(), RecordTemplates()
 
     def save_with_cache(sd: dict[str, object], path: Path) -> list[object]:
-        writer = ChecksummingWriter(path, templates=templates, plans=plans)
-        try:
-            with warnings.catch_warnings(), without_zip_crc():
-                warnings.filterwarnings("ignore", message=_NO_DIST)
-                dcp.save(
-                    sd,
-                    storage_writer=writer,
-                    planner=CachingSavePlanner(plans, settings=records.record_settings()),
-                    no_dist=True,
-                )
-            writer.sync()
-        finally:
-            writer.close()
-        ((_key, results),) = plans._results.items()
-        return list(results)
+        return list(save_cached(sd, path, plans, templates)[1].values())
 
     g = torch.Generator().manual_seed(3)
     sd = {f"t{i}": torch.randn(50 + i, generator=g) for i in range(6)}

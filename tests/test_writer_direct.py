@@ -637,34 +637,19 @@ def test_a_large_tensor_moved_in_memory_gets_a_new_write_result(tmp_path: Path) 
     """The same layout, but a large tensor's data now at another offset past a page:
     direct I/O places its record by that offset, so the last save's write result for
     it must not be reused (the small one before it is), and every value reads back."""
-    from stalwart.save_plan import CachingSavePlanner, SavePlanCache
+    from stalwart.save_plan import SavePlanCache
+
+    from .support.saving import save_cached
 
     plans, templates = SavePlanCache(), RecordTemplates()
 
-    def save_cached(sd: dict[str, object], path: Path) -> tuple[list, dict[str, Any]]:
-        writer = ChecksummingWriter(path, templates=templates, plans=plans)
-        try:
-            with warnings.catch_warnings(), without_zip_crc():
-                warnings.filterwarnings("ignore")
-                dcp.save(
-                    sd,
-                    storage_writer=writer,
-                    planner=CachingSavePlanner(plans, settings=records.record_settings()),
-                    no_dist=True,
-                )
-            writer.sync()
-        finally:
-            writer.close()
-        ((_key, results),) = plans._results.items()
-        return list(writer.written), {r.index.fqn: r for r in results}
-
     small = torch.arange(10.0)
     first = {"a": small, "big": offset_tensor(2 * 2**20, 64)}
-    _, r1 = save_cached(first, tmp_path / "a")
+    _, r1 = save_cached(first, tmp_path / "a", plans, templates)
     moved = offset_tensor(2 * 2**20, 128)
     moved.add_(1)
     second = {"a": small + 1, "big": moved}
-    w2, r2 = save_cached(second, tmp_path / "b")
+    w2, r2 = save_cached(second, tmp_path / "b", plans, templates)
     assert_reads_back_exactly(tmp_path / "b", w2, second)
     assert r2["a"] is r1["a"]
     if takes_direct_io(tmp_path):
