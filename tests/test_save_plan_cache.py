@@ -419,13 +419,18 @@ MANAGER_CHANGES = {
 }
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("change", list(MANAGER_CHANGES))
 def test_a_run_whose_model_changes_restores_every_checkpoint_exactly(
-    tmp_path: Path, change: str
+    tmp_path: Path, change: str, async_save: bool
 ) -> None:
+    """Background saves too: their staging slots, write results and plans are reused
+    from save to save, and none may outlive the layout it was made for."""
     torch.manual_seed(0)
     model, opt = training(8)
-    with stalwart.CheckpointManager(tmp_path / "run", keep_last=None, handle_signals=False) as ckpt:
+    with stalwart.CheckpointManager(
+        tmp_path / "run", keep_last=None, handle_signals=False, async_save=async_save
+    ) as ckpt:
         for n in (1, 2):
             step(model, opt)
             ckpt.save(n, stalwart.TrainState(model=model, optimizer=opt), force=True)
