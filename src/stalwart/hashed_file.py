@@ -285,8 +285,7 @@ class HashedFile:
             return None
         dest = self._frames[self._frames_used : self._frames_used + length]
         at = 0
-        for buf in run:
-            piece: memoryview = buf
+        for piece in run:  # flat byte views (``add``)
             dest[at : at + piece.nbytes] = piece
             at += piece.nbytes
         self._frames_used += length

@@ -275,8 +275,7 @@ def _item_keys(state_dict: dict[str, Any], is_coordinator: bool) -> list[Any] | 
     keys: list[Any] = [is_coordinator]
     for fqn, obj in state_dict.items():
         if type(obj) is torch.Tensor:
-            # Exactly what _create_write_item_for_tensor reads (TensorProperties.create_from_tensor).
-            keys.append((fqn, obj.dtype, obj.shape, obj.layout, obj.requires_grad, obj.is_pinned()))
+            keys.append(_tensor_key(fqn, obj))
         elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
             return None  # DTensor, ShardedTensor and the like: planned by DCP every time
         else:
@@ -284,31 +283,27 @@ def _item_keys(state_dict: dict[str, Any], is_coordinator: bool) -> list[Any] | 
     return keys
 
 
-def _same_keys(keys: list[Any], state_dict: dict[str, Any], is_coordinator: bool) -> bool:
-    """``_item_keys(state_dict, is_coordinator) == keys``, without making the keys.
+def _tensor_key(fqn: str, obj: torch.Tensor) -> tuple[Any, ...]:
+    # Exactly what _create_write_item_for_tensor reads (TensorProperties.create_from_tensor).
+    return (fqn, obj.dtype, obj.shape, obj.layout, obj.requires_grad, obj.is_pinned())
 
-    A key per value, kept until compared, was thousands of objects per save of
-    a large model: enough to set off Python's collections in a save written in
-    the background.
+
+def _same_keys(keys: list[Any], state_dict: dict[str, Any], is_coordinator: bool) -> bool:
+    """``_item_keys(state_dict, is_coordinator) == keys``, key by key, none kept.
+
+    The list of keys, thousands of objects alive at once for a large model, set
+    off Python's collections in a save written in the background; one key at a
+    time is made and dropped.
     """
     if len(keys) != len(state_dict) + 1 or keys[0] != is_coordinator:
         return False
     for n, (fqn, obj) in enumerate(state_dict.items(), start=1):
-        key = keys[n]
         if type(obj) is torch.Tensor:
-            if not (
-                type(key) is tuple
-                and key[0] == fqn
-                and key[1] == obj.dtype
-                and key[2] == obj.shape
-                and key[3] == obj.layout
-                and key[4] == obj.requires_grad
-                and key[5] == obj.is_pinned()
-            ):
+            if keys[n] != _tensor_key(fqn, obj):
                 return False
         elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
             return False  # never cached: see _item_keys
-        elif type(key) is not str or key != fqn:
+        elif keys[n] != fqn:
             return False
     return True
 
