@@ -372,6 +372,9 @@ class ChecksummingWriter(FileSystemWriter):
         outcomes = self._write_all(jobs, planner)
         for _results, out in outcomes:
             self._files.append(out)  # closed by close() from here on, whatever comes
+        if self.plans is not None:
+            for (_path, key, _items), (results, _out) in zip(jobs, outcomes, strict=True):
+                self.plans.keep_file_results(key, results)
         for _results, out in outcomes:
             self._sync_later(out)
         future: Future[list[WriteResult]] = Future()
@@ -404,9 +407,6 @@ class ChecksummingWriter(FileSystemWriter):
             for _results, out in outcomes:
                 out.abandon()
             raise failure
-        if plans is not None:
-            for (_path, key, _items), (results, _out) in zip(jobs, outcomes, strict=True):
-                plans.keep_file_results(key, results)
         return outcomes
 
     def _sync_later(self, out: HashedFile) -> None:
