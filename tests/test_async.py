@@ -54,6 +54,70 @@ def test_a_stage_of_an_unchanged_layout_keeps_no_new_object_per_tensor() -> None
     assert changed == [7] and torch.equal(third["t7"], sd["t7"])
 
 
+def test_a_stage_says_whether_it_dropped_a_buffer_of_the_last_one() -> None:
+    area = StagingArea()
+    sd: dict[str, object] = {"a": torch.randn(3), "b": torch.randn(4)}
+    area.stage(sd)
+    assert not area.dropped  # nothing before it
+    area.stage(sd)
+    assert not area.dropped
+    area.stage({**sd, "c": torch.randn(2)})  # one more: appended, nothing dropped
+    assert not area.dropped
+    area.stage(sd)  # one fewer
+    assert area.dropped
+    area.stage({"a": sd["a"], "b": torch.randn(5)})  # one replaced
+    assert area.dropped
+
+
+def test_a_changed_layout_frees_the_replaced_staging_buffers_when_staged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer keeps an async save's prepared records, which view the staging
+    buffers; a save whose layout replaced buffers lets the records go as it stages
+    them, so the old buffers are freed then, as before records were kept, not once
+    the background write got to it (a model of many GiB would hold two staged copies
+    meanwhile). The background write is held back here to tell the two apart."""
+    import threading
+    import weakref
+
+    from stalwart import writer as writer_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    state = stalwart.TrainState(model=model)
+    go = threading.Event()
+    real = writer_module._write_file
+
+    def held_back(*args, **kwargs):  # type: ignore[no-untyped-def]
+        assert go.wait(30)
+        return real(*args, **kwargs)
+
+    with stalwart.CheckpointManager(tmp_path, every_steps=1, async_save=True) as ckpt:
+        writer = ckpt._writer
+        for step in (1, 2):
+            ckpt.save(step, state)
+            ckpt.wait()
+        assert writer.plans._records  # an unchanged layout's records are kept
+        old = [weakref.ref(buf) for buf, _pinned in writer.staging._slots]
+        monkeypatch.setattr(writer_module, "_write_file", held_back)
+        model[1] = torch.nn.Linear(8, 16)  # new shapes: two buffers replaced
+        try:
+            ckpt.save(3, state)  # staged; its write waits
+            gc.collect()
+            alive = {id(buf) for buf, _pinned in writer.staging._slots}
+            dead = [r() is None for r in old]
+            assert sum(dead) == 2
+            assert all(dead[k] or id(r()) in alive for k, r in enumerate(old))
+        finally:
+            go.set()
+        ckpt.wait()
+        assert writer.plans._records  # the new layout's, kept for the next save
+    restored = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 16))
+    with stalwart.CheckpointManager(tmp_path) as ckpt:
+        ckpt.restore(stalwart.TrainState(model=restored), step=3)
+    for a, b in zip(model.state_dict().values(), restored.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_save_leaves_no_reference_cycle_of_its_own(tmp_path: Path, async_save: bool) -> None:
     """Nothing stalwart builds in a save is left for the cyclic collector: a recursive

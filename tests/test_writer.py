@@ -519,3 +519,116 @@ def test_a_save_of_an_unchanged_layout_reuses_the_last_write_results(tmp_path: P
             dcp.load(target, storage_reader=FileSystemReader(tmp_path / name), no_dist=True)
         for k, v in expected.items():
             assert torch.equal(target[k], v), (name, k)
+
+
+def _load_values(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    target = {k: torch.zeros_like(v) for k, v in expected.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_DIST)
+        dcp.load(target, storage_reader=FileSystemReader(path), no_dist=True)
+    return target
+
+
+def test_a_save_of_staged_tensors_reuses_their_records_and_writes_their_new_bytes(
+    tmp_path: Path,
+) -> None:
+    """The same tensor objects (an async save's staging buffers) saved again with new
+    values: every templated record is the last save's very object, and each checkpoint
+    holds its own save's values. A tensor replaced by another object, an empty tensor
+    (``torch.save``'d whole, never kept) and a byte item get records of their own."""
+    from stalwart.save_plan import SavePlanCache
+
+    from .support.saving import save_cached
+
+    plans, templates = SavePlanCache(), RecordTemplates()
+    g = torch.Generator().manual_seed(5)
+    sd: dict[str, object] = {
+        "a": torch.randn(100, generator=g),
+        "b": torch.randn(7, 3, generator=g).to(torch.float64),
+        "big": torch.randn(2**19, generator=g),  # 2 MiB: a direct record where it can be
+        "empty": torch.empty(0),
+        "n": 5,
+    }
+    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+    def records(path: Path) -> dict[str, object]:
+        entries, results = save_cached(sd, path, plans, templates, staged=True)
+        key = next(e.path for e in entries if e.path.endswith(".distcp"))
+        kept = plans.file_records(key)
+        assert isinstance(kept, writer_module.PreparedRecords)
+        by_name = {}
+        for record in kept.records:
+            if record is not None:
+                by_name[record[0].index.fqn] = record
+        assert len(kept.records) == len(results)  # one entry per item, None where not kept
+        return by_name
+
+    first = records(tmp_path / "1")
+    assert sorted(first) == ["a", "b", "big"]  # not the empty tensor's, not the byte item's
+    old = {k: v.clone() for k, v in tensors.items()}
+    for t in tensors.values():
+        t.mul_(-3).add_(1)  # new values in the same memory
+    second = records(tmp_path / "2")
+    assert all(second[k] is first[k] for k in first)
+    sd["a"] = torch.randn(100, generator=g)  # another object of the same layout
+    tensors["a"] = sd["a"]  # type: ignore[assignment]
+    third = records(tmp_path / "3")
+    assert third["a"] is not second["a"] and third["b"] is second["b"]
+    assert third["a"][1] is sd["a"]
+    for path, want in (("1", old), ("2", None), ("3", tensors)):
+        expected = want if want is not None else {**tensors, "a": second["a"][1]}
+        got = _load_values(tmp_path / path, expected)  # type: ignore[arg-type]
+        for k, v in expected.items():  # type: ignore[union-attr]
+            assert torch.equal(got[k], v), (path, k)
+
+
+def test_only_a_save_of_staged_tensors_keeps_its_records(tmp_path: Path) -> None:
+    """A synchronous save's tensors are the live ones (``state_dict()`` hands out new
+    views each time, and a user may reshape one in place): no record is kept."""
+    from stalwart.save_plan import SavePlanCache
+
+    from .support.saving import save_cached
+
+    plans = SavePlanCache()
+    entries, _ = save_cached({"a": torch.ones(4)}, tmp_path / "1", plans, RecordTemplates())
+    key = next(e.path for e in entries if e.path.endswith(".distcp"))
+    assert plans.file_records(key) is None
+    save_cached({"a": torch.ones(4)}, tmp_path / "2", plans, RecordTemplates(), staged=True)
+    assert plans.file_records(key) is not None
+    plans.drop_records()
+    assert plans.file_records(key) is None
+
+
+def test_a_record_is_reused_only_for_its_item_its_tensor_and_its_settings() -> None:
+    """``_prepared`` with the last save's records: a hit needs the same planned item, the
+    very tensor object and the same ``torch.save`` settings; anything else is built anew."""
+    values: dict[str, object] = {"x": torch.arange(6.0), "y": torch.arange(4.0)}
+    items = [WriteItem(index=MetadataIndex(k), type=WriteItemType.TENSOR) for k in values]
+    templates = RecordTemplates()
+
+    def prepare(
+        its: list[WriteItem], earlier: writer_module.PreparedRecords | None
+    ) -> writer_module.PreparedRecords:
+        kept = writer_module.PreparedRecords()
+        got = list(writer_module._prepared(its, CountingPlanner(values), templates, earlier, kept))  # type: ignore[arg-type]
+        for item, _tensor, buffers in got:
+            record = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+            assert record == torch_save_bytes(values[item.index.fqn])  # type: ignore[arg-type]
+        return kept
+
+    with without_zip_crc():
+        first = prepare(items, None)
+        assert all(r is not None for r in first.records)
+        again = prepare(items, first)
+        assert all(a is b for a, b in zip(first.records, again.records, strict=True))
+        replanned = [WriteItem(index=i.index, type=i.type) for i in items]
+        assert not any(
+            a is b for a, b in zip(first.records, prepare(replanned, first).records, strict=True)
+        )
+        stale = writer_module.PreparedRecords(("other settings",), first.records)
+        assert not any(
+            a is b for a, b in zip(first.records, prepare(items, stale).records, strict=True)
+        )
+        values["y"] = torch.arange(4.0) * 2  # a new object at the same item
+        mixed = prepare(items, first).records
+        assert mixed[0] is first.records[0] and mixed[1] is not first.records[1]

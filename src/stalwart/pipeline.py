@@ -206,8 +206,9 @@ def write_and_commit(
     ``torch.save`` framing of tensor layouts it has written before, and
     ``plans`` (kept likewise) DCP's global plan, ``.metadata`` and small
     values while the state's layout is unchanged (``stalwart.save_plan``).
-    ``pack``: a save in the background, whose data files may be packed
-    (``ChecksummingWriter``).
+    ``pack``: a save in the background, of the staging area's buffers, whose
+    data files may be packed and whose prepared records are reused
+    (``ChecksummingWriter``'s ``pack`` and ``staged``).
 
     On any failure, on any rank, every rank raises ``CheckpointSaveError``
     (cause chained), the staging directory is removed and nothing is committed;
@@ -295,7 +296,12 @@ def _write_mine(
     try:
         try:
             writer = ChecksummingWriter(
-                staging, threads=WRITER_THREADS, templates=templates, plans=plans, pack=pack
+                staging,
+                threads=WRITER_THREADS,
+                templates=templates,
+                plans=plans,
+                pack=pack,
+                staged=pack,  # a save in the background writes the staging area's buffers
             )
             try:
                 with warnings.catch_warnings(), without_zip_crc():

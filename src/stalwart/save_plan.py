@@ -91,7 +91,7 @@ class SavePlanCache:
     MAX_VALUE_BYTES = 64 * 1024
     """Larger values are saved anew every time (and are no fixed cost then)."""
     MAX_FILES = 64
-    """Files whose write results are kept (``file_results``)."""
+    """Files whose write results (and prepared records) are kept (``file_results``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -100,6 +100,7 @@ class SavePlanCache:
         self._pickled: _Pickled | None = None
         self._values: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
         self._results: dict[str, list[WriteResult]] = {}
+        self._records: dict[str, Any] = {}
         self.hits = 0
         self.misses = 0
 
@@ -125,12 +126,36 @@ class SavePlanCache:
         with self._lock:
             return self._results.get(storage_key, [])
 
-    def keep_file_results(self, storage_key: str, results: list[WriteResult]) -> None:
-        """Remember a file's write results, for the next save's file of that name to reuse."""
+    def file_records(self, storage_key: str) -> Any:
+        """The prepared records (``writer.PreparedRecords``) of the last save's file named
+        ``storage_key``, kept for a state of staged tensors; None if there are none."""
+        with self._lock:
+            return self._records.get(storage_key)
+
+    def keep_file_results(
+        self, storage_key: str, results: list[WriteResult], records: Any = None
+    ) -> None:
+        """Remember a file's write results (and prepared records, if any), for the next
+        save's file of that name to reuse."""
         with self._lock:
             if len(self._results) >= self.MAX_FILES:
                 self._results.clear()  # a rank's files are a few names: only a renumbering
+                self._records.clear()
             self._results[storage_key] = results
+            if records is None:
+                self._records.pop(storage_key, None)
+            else:
+                self._records[storage_key] = records
+
+    def drop_records(self) -> None:
+        """Forget every file's prepared records: the staged buffers they view were replaced.
+
+        Only memory rides on it: a record is reused only for the very tensor it
+        was built from, so a kept one is never wrong, but it holds its tensor,
+        a buffer the staging area dropped, until the next save of its file.
+        """
+        with self._lock:
+            self._records.clear()
 
     def global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata] | None:
         """The cached global plan and metadata if ``all_plans`` equals the cached local plans."""

@@ -257,6 +257,8 @@ class SaveWriter:
             staged = state.state_dict()
             if self.background is not None:
                 staged = self.staging.stage(staged)
+                if self.staging.dropped:
+                    self.plans.drop_records()  # they hold the buffers just dropped
             # Digests of the values that may differ between ranks (buffers, extra,
             # stateful objects) travel in the same gather.
             return staged, state.rank_digests(staged)

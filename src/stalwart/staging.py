@@ -45,6 +45,9 @@ class StagingArea:
     def __init__(self) -> None:
         self._slots: list[tuple[torch.Tensor, bool]] = []
         """(buffer, pinned), in the order the last stage met the tensors."""
+        self.dropped = False
+        """Whether the last ``stage`` dropped a buffer of the one before (anything that
+        still holds one, such as the writer's prepared records, should let it go)."""
 
     @property
     def nbytes(self) -> int:
@@ -56,6 +59,7 @@ class StagingArea:
         staged = stage.copy_value(state_dict)
         if stage.cpu_dst:
             torch._foreach_copy_(stage.cpu_dst, stage.cpu_src)
+        self.dropped = stage.dropped or len(stage.kept) < len(self._slots)
         self._slots = stage.kept  # buffers this state no longer needs are dropped
         if stage.cuda_copies:
             torch.cuda.synchronize()
@@ -72,12 +76,13 @@ class _Stage:
     2,304-tensor state, freed by a collection in whatever thread came next).
     """
 
-    __slots__ = ("cpu_dst", "cpu_src", "cuda_copies", "kept", "slots")
+    __slots__ = ("cpu_dst", "cpu_src", "cuda_copies", "dropped", "kept", "slots")
 
     def __init__(self, slots: list[tuple[torch.Tensor, bool]]) -> None:
         self.slots = slots
         self.kept: list[tuple[torch.Tensor, bool]] = []
         self.cuda_copies = False
+        self.dropped = False  # a slot of the last stage was replaced
         # CPU-to-CPU copies are batched into one foreach call: 192 single copy_
         # calls cost about 1 ms of dispatch at 64 MiB.
         self.cpu_dst: list[torch.Tensor] = []
@@ -99,6 +104,7 @@ class _Stage:
             or slot[0].dtype != t.dtype
             or slot[0].shape != t.shape
         ):
+            self.dropped = self.dropped or slot is not None
             slot = (_new_buffer(t, on_gpu), on_gpu)
         buf = slot[0]
         self.kept.append(slot)  # the same tuple when reused: no new object kept per tensor

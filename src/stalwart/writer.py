@@ -59,6 +59,7 @@ working; what changes is how the bytes reach the disk:
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from collections.abc import Iterator, Sequence
@@ -124,21 +125,25 @@ def _write_file(
     templates: RecordTemplates,
     pack: bool = False,
     earlier: Sequence[WriteResult] = (),
-) -> tuple[list[WriteResult], HashedFile]:
+    records: PreparedRecords | None = None,
+) -> tuple[list[WriteResult], HashedFile, PreparedRecords | None]:
     """Write ``items`` into the new file ``path`` as DCP's ``FileSystemWriter`` lays them out.
 
     ``pack``: the file may be packed (see ``_PACK_AFTER``). ``earlier``: the
     last save's results for this file, each reused where it is the same
-    (``_result``). Returns the write results and the file, written and hashed
-    but not yet fsynced.
+    (``_result``). ``records``: the last save's prepared records of this
+    file, for a state of staged tensors (``_prepared``); None: none are kept.
+    Returns the write results, the file, written and hashed but not yet
+    fsynced, and this save's prepared records (None where ``records`` was).
     """
     results: list[WriteResult] = []
+    kept = None if records is None else PreparedRecords()
     out = HashedFile(path)
     try:
         packed = False
         may_pack = pack  # until packing was tried
         cached = 0  # bytes of tensor records written through the page cache
-        for item, tensor, buffers in _prepared(items, planner, templates):
+        for item, tensor, buffers in _prepared(items, planner, templates, records, kept):
             if (
                 tensor is not None
                 and tensor.nbytes >= _DIRECT_MIN
@@ -159,7 +164,7 @@ def _write_file(
     except BaseException:
         out.abandon()
         raise
-    return results, out
+    return results, out, kept
 
 
 def _result(
@@ -191,9 +196,30 @@ def _result(
     )
 
 
+_Prepared = tuple[WriteItem, "torch.Tensor | None", list[Any]]
+"""An item, its tensor (None for bytes) and its record's buffers."""
+
+
+@dataclasses.dataclass(slots=True)
+class PreparedRecords:
+    """One file's records as a save of staged tensors prepared them, for the next save's reuse.
+
+    ``records[n]`` is the ``n``-th item's (in file order) where its record can
+    be reused, else None; ``settings`` is the ``record_settings()`` they were
+    prepared under.
+    """
+
+    settings: tuple[Any, ...] | None = None
+    records: list[_Prepared | None] = dataclasses.field(default_factory=list)
+
+
 def _prepared(
-    items: list[WriteItem], planner: SavePlanner, templates: RecordTemplates
-) -> Iterator[tuple[WriteItem, torch.Tensor | None, list[Any]]]:
+    items: list[WriteItem],
+    planner: SavePlanner,
+    templates: RecordTemplates,
+    earlier: PreparedRecords | None = None,
+    kept: PreparedRecords | None = None,
+) -> Iterator[_Prepared]:
     """Each item with its tensor (None for bytes) and its record's buffers, in file order.
 
     Byte items first, then tensors: the order DCP's own writer uses. Records
@@ -212,27 +238,56 @@ def _prepared(
     0.03. Copies (a GPU tensor's, a view's own bytes) are made at most
     ``_PREPARE_COPIES`` bytes ahead, so a state on the GPU is never all on
     the host at once.
+
+    ``kept`` (when given) receives every record that a later save may reuse,
+    and ``earlier`` is the last save's: a state of staged tensors (an async
+    save's, ``staging.StagingArea``) hands every save the same buffer
+    objects, which nobody else holds or reshapes, so an item that resolves
+    to the very tensor its last record was built from (by the same planned
+    item, under the same settings) gets that record again: its framing and
+    its view of the tensor's memory, no new object. Only a record built
+    around the tensor's own memory is kept (never one holding a copy of its
+    bytes, ``torch.save``'s). An async save of the benchmark's 2,304 small
+    tensors, alternately with the code before, two runs: median CPU time
+    31.6-31.9 ms against 37.6-38.3; of its 192: 5.9-6.3 ms against 6.7-7.0.
     """
     settings = record_settings()
+    last = earlier.records if earlier is not None and earlier.settings == settings else []
+    if kept is not None:
+        kept.settings = settings
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
     ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
-    ready: list[tuple[WriteItem, torch.Tensor | None, list[Any]]] = []
+    ready: list[_Prepared] = []
     copied = 0
-    for item in ordered:
+    for n, item in enumerate(ordered):
         data = planner.resolve_data(item)
+        reusable: _Prepared | None = None
         if item.type == WriteItemType.BYTE_IO:
             assert isinstance(data, io.BytesIO), "a BYTE_IO item resolves to BytesIO"
             ready.append((item, None, [data.getbuffer()]))
         else:
             assert isinstance(data, torch.Tensor), "a tensor item resolves to a tensor"
-            tensor = data.detach() if data.requires_grad else data
-            if not tensor.is_cpu:
-                tensor = tensor.cpu()
-                copied += tensor.nbytes
-            if tensor.untyped_storage().nbytes() != tensor.nbytes:
-                tensor = tensor.clone()  # a view: write only its own bytes, as DCP does
-                copied += tensor.nbytes
-            ready.append((item, tensor, templates.record(tensor, settings)))
+            if (
+                n < len(last)
+                and (reusable := last[n]) is not None
+                and reusable[0] is item
+                and reusable[1] is data
+            ):
+                ready.append(reusable)
+            else:
+                reusable = None
+                tensor = data.detach() if data.requires_grad else data
+                if not tensor.is_cpu:
+                    tensor = tensor.cpu()
+                    copied += tensor.nbytes
+                if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                    tensor = tensor.clone()  # a view: write only its own bytes, as DCP does
+                    copied += tensor.nbytes
+                ready.append((item, tensor, templates.record(tensor, settings)))
+                if kept is not None and tensor is data and len(ready[-1][2]) == 3:
+                    reusable = ready[-1]  # header, a view of the tensor's memory, trailer
+        if kept is not None:
+            kept.records.append(reusable)
         if copied >= _PREPARE_COPIES or len(ready) >= _PREPARE_RECORDS:
             yield from ready
             ready, copied = [], 0
@@ -340,7 +395,10 @@ class ChecksummingWriter(FileSystemWriter):
     to reuse the last save's ``.metadata`` pickle when only its names changed.
     ``pack`` lets its files be packed (``_PACK_AFTER``): for a save in the
     background, whose CPU time competes with training and whose wall time
-    nobody waits for.
+    nobody waits for. ``staged``: the state's tensors are the staging area's
+    buffers (``staging.StagingArea``), the same objects save after save, which
+    nobody else holds or reshapes: each file's prepared records are kept in
+    ``plans`` and reused (``_prepared``).
     """
 
     def __init__(
@@ -351,6 +409,7 @@ class ChecksummingWriter(FileSystemWriter):
         templates: RecordTemplates,
         plans: SavePlanCache | None = None,
         pack: bool = False,
+        staged: bool = False,
     ) -> None:
         if threads < 1:
             raise ValueError(f"threads={threads}: a rank needs at least one writer thread")
@@ -358,6 +417,7 @@ class ChecksummingWriter(FileSystemWriter):
         self.templates = templates
         self.plans = plans
         self.pack = pack
+        self.staged = staged
         self.written: list[FileEntry] = []
         self._files: list[HashedFile] = []
         self._syncs: list[Task] = []
@@ -370,31 +430,34 @@ class ChecksummingWriter(FileSystemWriter):
             for n, bucket in enumerate(_buckets(plan.items, self.thread_count))
         ]
         outcomes = self._write_all(jobs, planner)
-        for _results, out in outcomes:
+        for _results, out, _records in outcomes:
             self._files.append(out)  # closed by close() from here on, whatever comes
         if self.plans is not None:
-            for (_path, key, _items), (results, _out) in zip(jobs, outcomes, strict=True):
-                self.plans.keep_file_results(key, results)
-        for _results, out in outcomes:
+            for (_path, key, _items), (results, _out, records) in zip(jobs, outcomes, strict=True):
+                self.plans.keep_file_results(key, results, records)
+        for _results, out, _records in outcomes:
             self._sync_later(out)
         future: Future[list[WriteResult]] = Future()
-        future.set_result([r for results, _out in outcomes for r in results])
+        future.set_result([r for results, _out, _records in outcomes for r in results])
         return future
 
     def _write_all(
         self, jobs: list[tuple[Path, str, list[WriteItem]]], planner: SavePlanner
-    ) -> list[tuple[list[WriteResult], HashedFile]]:
+    ) -> list[tuple[list[WriteResult], HashedFile, PreparedRecords | None]]:
         """Write every job's file; the first job in this thread, the others in threads of their own."""
         plans = self.plans
         earlier = [plans.file_results(key) if plans is not None else [] for _, key, _ in jobs]
+        records = [self._records(key) for _, key, _ in jobs]
         others = [
-            Task(_write_file, *job, planner, self.templates, self.pack, last)
-            for job, last in zip(jobs[1:], earlier[1:], strict=True)
+            Task(_write_file, *job, planner, self.templates, self.pack, last, mine)
+            for job, last, mine in zip(jobs[1:], earlier[1:], records[1:], strict=True)
         ]
-        outcomes: list[tuple[list[WriteResult], HashedFile]] = []
+        outcomes: list[tuple[list[WriteResult], HashedFile, PreparedRecords | None]] = []
         failure: BaseException | None = None
         try:
-            outcomes.append(_write_file(*jobs[0], planner, self.templates, self.pack, earlier[0]))
+            outcomes.append(
+                _write_file(*jobs[0], planner, self.templates, self.pack, earlier[0], records[0])
+            )
         except BaseException as exc:
             failure = exc
         for task in others:
@@ -404,10 +467,18 @@ class ChecksummingWriter(FileSystemWriter):
             except BaseException as exc:
                 failure = failure or exc
         if failure is not None:
-            for _results, out in outcomes:
+            for _results, out, _records in outcomes:
                 out.abandon()
             raise failure
         return outcomes
+
+    def _records(self, key: str) -> PreparedRecords | None:
+        """The last save's prepared records of file ``key`` to reuse (a state of staged
+        tensors only: ``staged``); None where none are kept."""
+        if not self.staged or self.plans is None:
+            return None
+        earlier = self.plans.file_records(key)
+        return earlier if isinstance(earlier, PreparedRecords) else PreparedRecords()
 
     def _sync_later(self, out: HashedFile) -> None:
         """Finish ``out`` (one of ``_files``) and start its fsync."""

@@ -15,11 +15,17 @@ from stalwart.writer import ChecksummingWriter, RecordTemplates, without_zip_crc
 
 
 def save_cached(
-    sd: dict[str, object], path: Path, plans: SavePlanCache, templates: RecordTemplates
+    sd: dict[str, object],
+    path: Path,
+    plans: SavePlanCache,
+    templates: RecordTemplates,
+    *,
+    staged: bool = False,
 ) -> tuple[list[FileEntry], dict[str, WriteResult]]:
     """``dcp.save`` of ``sd`` into ``path`` reusing ``plans`` and ``templates`` (one writer
-    thread, one data file): the files written, and that file's write results by name."""
-    writer = ChecksummingWriter(path, templates=templates, plans=plans)
+    thread, one data file): the files written, and that file's write results by name.
+    ``staged``: ``sd``'s tensors stand for an async save's staging buffers."""
+    writer = ChecksummingWriter(path, templates=templates, plans=plans, staged=staged)
     try:
         with warnings.catch_warnings(), without_zip_crc():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
