@@ -54,6 +54,33 @@ def test_a_stage_of_an_unchanged_layout_keeps_no_new_object_per_tensor() -> None
     assert changed == [7] and torch.equal(third["t7"], sd["t7"])
 
 
+def test_staging_buffers_are_known_as_such_and_saved_as_plain_tensors() -> None:
+    """The writer tells a staging buffer from any other tensor (only a buffer's records
+    are kept from save to save), by a weak registry, not a mark on the tensor: a
+    buffer's torch.save is that of a plain tensor, and a dropped buffer is forgotten."""
+    import io
+    import weakref
+
+    from stalwart.staging import is_staging_buffer
+
+    area = StagingArea()
+    source = {"big": torch.randn(2**19), "small": torch.randn(5)}  # page-aligned and not
+    staged = area.stage(source)
+    for k, buf in staged.items():
+        assert is_staging_buffer(buf) and not is_staging_buffer(source[k])
+        assert not is_staging_buffer(buf.view(buf.shape)) and not buf.__dict__
+        saved, plain = io.BytesIO(), io.BytesIO()
+        torch.save(buf, saved)
+        torch.save(buf.clone(), plain)
+        assert saved.getvalue() == plain.getvalue()
+    gone = weakref.ref(staged["small"])
+    del staged, buf
+    area.stage({"big": source["big"]})  # "small" is dropped
+    gc.collect()
+    assert gone() is None
+    assert not is_staging_buffer(torch.randn(5))
+
+
 def test_a_stage_says_whether_it_dropped_a_buffer_of_the_last_one() -> None:
     area = StagingArea()
     sd: dict[str, object] = {"a": torch.randn(3), "b": torch.randn(4)}

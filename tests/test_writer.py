@@ -78,6 +78,20 @@ def test_templates_are_made_only_for_tensors_that_own_their_whole_storage() -> N
     assert len(templates) == 4  # not the empty tensor, the view or the transposed tensor
 
 
+def test_a_tensor_with_python_attributes_is_saved_as_torch_save_writes_it() -> None:
+    """torch.save pickles a tensor's Python attributes with it: such a tensor's record
+    is its own torch.save (attributes and all), never cut from or into a template of
+    its layout, before or after a plain tensor of that layout."""
+    templates = RecordTemplates()
+    plain, marked = torch.randn(6), torch.randn(6)
+    marked.tag = {"shard": 3}  # type: ignore[attr-defined]
+    with without_zip_crc():
+        for tensor in (marked, plain, marked, plain):
+            assert record_bytes(templates, tensor) == torch_save_bytes(tensor)
+        assert torch_save_bytes(marked) != torch_save_bytes(marked.clone())
+    assert len(templates) == 1  # the plain tensor's only
+
+
 def test_a_changed_storage_alignment_gets_a_template_of_its_own() -> None:
     from torch.utils.serialization import config
 
@@ -532,77 +546,78 @@ def _load_values(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, tor
 def test_a_save_of_staged_tensors_reuses_their_records_and_writes_their_new_bytes(
     tmp_path: Path,
 ) -> None:
-    """The same tensor objects (an async save's staging buffers) saved again with new
-    values: every templated record is the last save's very object, and each checkpoint
-    holds its own save's values. A tensor replaced by another object, an empty tensor
-    (``torch.save``'d whole, never kept) and a byte item get records of their own."""
+    """An async save's staging buffers saved again with new values: every templated
+    record is the last save's very object, and each checkpoint holds its own save's
+    values. An empty tensor (``torch.save``'d whole), a byte item and a tensor that is
+    no staging buffer (a sharded tensor's staged copy is new at every save) get
+    records of their own, never kept."""
     from stalwart.save_plan import SavePlanCache
+    from stalwart.staging import StagingArea
 
     from .support.saving import save_cached
 
-    plans, templates = SavePlanCache(), RecordTemplates()
+    plans, templates, area = SavePlanCache(), RecordTemplates(), StagingArea()
     g = torch.Generator().manual_seed(5)
-    sd: dict[str, object] = {
+    source: dict[str, object] = {
         "a": torch.randn(100, generator=g),
         "b": torch.randn(7, 3, generator=g).to(torch.float64),
         "big": torch.randn(2**19, generator=g),  # 2 MiB: a direct record where it can be
         "empty": torch.empty(0),
         "n": 5,
     }
-    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
-    def records(path: Path) -> dict[str, object]:
-        entries, results = save_cached(sd, path, plans, templates, staged=True)
+    def save(path: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+        staged = area.stage(source)
+        staged["copy"] = torch.randn(9, generator=g)  # made anew for this save
+        entries, results = save_cached(staged, path, plans, templates, staged=True)
         key = next(e.path for e in entries if e.path.endswith(".distcp"))
         kept = plans.file_records(key)
         assert isinstance(kept, writer_module.PreparedRecords)
-        by_name = {}
-        for record in kept.records:
-            if record is not None:
-                by_name[record[0].index.fqn] = record
         assert len(kept.records) == len(results)  # one entry per item, None where not kept
-        return by_name
+        records = {r[0].index.fqn: r for r in kept.records if r is not None}
+        values = {k: v.clone() for k, v in staged.items() if isinstance(v, torch.Tensor)}
+        return records, values
 
-    first = records(tmp_path / "1")
-    assert sorted(first) == ["a", "b", "big"]  # not the empty tensor's, not the byte item's
-    old = {k: v.clone() for k, v in tensors.items()}
-    for t in tensors.values():
-        t.mul_(-3).add_(1)  # new values in the same memory
-    second = records(tmp_path / "2")
-    assert all(second[k] is first[k] for k in first)
-    sd["a"] = torch.randn(100, generator=g)  # another object of the same layout
-    tensors["a"] = sd["a"]  # type: ignore[assignment]
-    third = records(tmp_path / "3")
-    assert third["a"] is not second["a"] and third["b"] is second["b"]
-    assert third["a"][1] is sd["a"]
-    for path, want in (("1", old), ("2", None), ("3", tensors)):
-        expected = want if want is not None else {**tensors, "a": second["a"][1]}
-        got = _load_values(tmp_path / path, expected)  # type: ignore[arg-type]
-        for k, v in expected.items():  # type: ignore[union-attr]
+    first, old = save(tmp_path / "1")
+    assert sorted(first) == ["a", "b", "big"]  # not the empty tensor's, the byte item's, the copy's
+    for t in source.values():
+        if isinstance(t, torch.Tensor):
+            t.mul_(-3).add_(1)  # new values
+    source["a"] = torch.randn(100, generator=g)  # another source object, the same layout
+    second, new = save(tmp_path / "2")
+    assert all(second[k] is first[k] for k in first)  # the same buffers: the same records
+    for path, expected in (("1", old), ("2", new)):
+        got = _load_values(tmp_path / path, expected)
+        for k, v in expected.items():
             assert torch.equal(got[k], v), (path, k)
+    assert not torch.equal(old["a"], new["a"]) and not torch.equal(old["big"], new["big"])
 
 
 def test_only_a_save_of_staged_tensors_keeps_its_records(tmp_path: Path) -> None:
     """A synchronous save's tensors are the live ones (``state_dict()`` hands out new
     views each time, and a user may reshape one in place): no record is kept."""
     from stalwart.save_plan import SavePlanCache
+    from stalwart.staging import StagingArea
 
     from .support.saving import save_cached
 
     plans = SavePlanCache()
-    entries, _ = save_cached({"a": torch.ones(4)}, tmp_path / "1", plans, RecordTemplates())
+    staged = StagingArea().stage({"a": torch.ones(4)})
+    entries, _ = save_cached(staged, tmp_path / "1", plans, RecordTemplates())
     key = next(e.path for e in entries if e.path.endswith(".distcp"))
     assert plans.file_records(key) is None
-    save_cached({"a": torch.ones(4)}, tmp_path / "2", plans, RecordTemplates(), staged=True)
+    save_cached(staged, tmp_path / "2", plans, RecordTemplates(), staged=True)
     assert plans.file_records(key) is not None
     plans.drop_records()
     assert plans.file_records(key) is None
 
 
-def test_a_record_is_reused_only_for_its_item_its_tensor_and_its_settings() -> None:
+def test_a_record_is_reused_only_for_its_item_its_buffer_and_its_settings() -> None:
     """``_prepared`` with the last save's records: a hit needs the same planned item, the
-    very tensor object and the same ``torch.save`` settings; anything else is built anew."""
-    values: dict[str, object] = {"x": torch.arange(6.0), "y": torch.arange(4.0)}
+    very staging buffer and the same ``torch.save`` settings; anything else is built anew."""
+    from stalwart.staging import StagingArea
+
+    values: dict[str, object] = StagingArea().stage({"x": torch.arange(6.0), "y": torch.ones(4)})
     items = [WriteItem(index=MetadataIndex(k), type=WriteItemType.TENSOR) for k in values]
     templates = RecordTemplates()
 
@@ -610,7 +625,8 @@ def test_a_record_is_reused_only_for_its_item_its_tensor_and_its_settings() -> N
         its: list[WriteItem], earlier: writer_module.PreparedRecords | None
     ) -> writer_module.PreparedRecords:
         kept = writer_module.PreparedRecords()
-        got = list(writer_module._prepared(its, CountingPlanner(values), templates, earlier, kept))  # type: ignore[arg-type]
+        planner = CountingPlanner(values)
+        got = list(writer_module._prepared(its, planner, templates, earlier, kept))  # type: ignore[arg-type]
         for item, _tensor, buffers in got:
             record = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
             assert record == torch_save_bytes(values[item.index.fqn])  # type: ignore[arg-type]
@@ -622,13 +638,14 @@ def test_a_record_is_reused_only_for_its_item_its_tensor_and_its_settings() -> N
         again = prepare(items, first)
         assert all(a is b for a, b in zip(first.records, again.records, strict=True))
         replanned = [WriteItem(index=i.index, type=i.type) for i in items]
-        assert not any(
-            a is b for a, b in zip(first.records, prepare(replanned, first).records, strict=True)
-        )
+        fresh = prepare(replanned, first).records
+        assert not any(a is b for a, b in zip(first.records, fresh, strict=True))
         stale = writer_module.PreparedRecords(("other settings",), first.records)
-        assert not any(
-            a is b for a, b in zip(first.records, prepare(items, stale).records, strict=True)
-        )
-        values["y"] = torch.arange(4.0) * 2  # a new object at the same item
+        fresh = prepare(items, stale).records
+        assert not any(a is b for a, b in zip(first.records, fresh, strict=True))
+        values["y"] = StagingArea().stage({"y": torch.zeros(4)})["y"]  # another buffer
         mixed = prepare(items, first).records
-        assert mixed[0] is first.records[0] and mixed[1] is not first.records[1]
+        assert mixed[0] is first.records[0]
+        assert mixed[1] is not None and mixed[1] is not first.records[1]
+        values["y"] = torch.zeros(4)  # no staging buffer: built every time, never kept
+        assert prepare(items, first).records[1] is None

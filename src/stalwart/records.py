@@ -187,6 +187,7 @@ def _layout(tensor: torch.Tensor) -> tuple[Any, ...] | None:
         or tensor.storage_offset() != 0
         or tensor.nbytes == 0  # no data record to cut the framing around: torch.save it
         or tensor.untyped_storage().nbytes() != tensor.nbytes
+        or tensor.__dict__  # Python attributes, which torch.save pickles with the tensor
     ):
         return None
     return (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.nbytes)

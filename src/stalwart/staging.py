@@ -12,6 +12,7 @@ import concurrent.futures
 import copy
 import math
 import mmap
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -143,10 +144,26 @@ class _Stage:
         return copy.deepcopy(value)
 
 
+_BUFFERS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+"""Every staging area's buffers alive, by ``id`` (``is_staging_buffer``; a ``WeakSet``
+would compare two tensors with ``==`` where their hashes met)."""
+
+
+def is_staging_buffer(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``StagingArea``'s buffer: handed to every save of its slot as the
+    same object, and never held, reshaped or moved by anyone else. (Not a sharded
+    tensor's staged copy, which is new at every save.) Known by a weak set, not by a
+    mark on the tensor: an attribute would be pickled into its saved record."""
+    return _BUFFERS.get(id(t)) is t
+
+
 def _new_buffer(t: torch.Tensor, pinned: bool) -> torch.Tensor:
     if pinned:
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return page_aligned_empty(t.shape, t.dtype)
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    else:
+        buf = page_aligned_empty(t.shape, t.dtype)
+    _BUFFERS[id(buf)] = buf
+    return buf
 
 
 PAGE_ALIGNED_MIN = 2**20
