@@ -460,15 +460,16 @@ class HashedFile:
             run = []
             runs.append((self.size, run))
             self._last_run_bytes = 0
+        update, total = self.hash.update, 0
         for buf in buffers:
             if type(buf) is not memoryview or buf.format != "B" or buf.ndim != 1:
                 buf = memoryview(buf).cast("B")
-            n = buf.nbytes
-            self.hash.update(buf)
-            self.size += n
+            update(buf)
             run.append(buf)
-            self._last_run_bytes += n
-            self._pending_bytes += n
+            total += buf.nbytes
+        self.size += total
+        self._last_run_bytes += total
+        self._pending_bytes += total
         self._pending_buffers += len(buffers)
         if self._pending_bytes >= BATCH_BYTES or self._pending_buffers >= BATCH_BUFFERS:
             self.flush()
