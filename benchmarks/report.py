@@ -191,6 +191,7 @@ def analyze(results: dict[str, Any]) -> None:
                         f"one async save {_ms(sa.get('cpu_s'))} of CPU (the training thread's "
                         f"staging copy and the background writer) vs raw write + fsync "
                         f"{_ms(refs.get('raw_write_cpu_s'))}"
+                        + _async_cpu_split(sa, refs)
                         + _staged_floor(refs)
                         + _per_call_cpu(results, "stalwart_async", sa.get("cpu_s"), refs),
                     )
@@ -325,6 +326,20 @@ def _checksummed_floor(refs: dict[str, Any]) -> str:
     return (
         f"; raw write + an xxh3-128 pass over the bytes (the floor of a checksummed write) "
         f"{_ms(raw + xxh3)}, {(raw + xxh3) / raw:.2f}x"
+    )
+
+
+def _async_cpu_split(sa: dict[str, Any], refs: dict[str, Any]) -> str:
+    """The note's part on where an async save's CPU time went: the training thread (the
+    staging copy, which the stall target bounds) and the background writer."""
+    caller, background = sa.get("caller_cpu_s"), sa.get("background_cpu_s")
+    raw = refs.get("raw_write_cpu_s")
+    if caller is None or background is None or not raw:
+        return ""
+    return (
+        f"; of it, the training thread {_ms(caller)} (the staging copy and the save's "
+        f"bookkeeping) and the background writer {_ms(background)}, {background / raw:.2f}x "
+        f"the raw write's"
     )
 
 

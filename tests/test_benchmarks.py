@@ -600,3 +600,33 @@ def test_the_async_cpu_target_names_the_floor_of_a_staged_checksummed_save() -> 
     bench_report().analyze(results)
     (row,) = [t for t in results["targets"] if t["target"].startswith("async save's CPU")]
     assert "staged" not in row["detail"]
+
+
+def test_the_async_cpu_target_splits_the_save_into_the_training_thread_and_the_writer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The save of least CPU time, split into its caller's thread and the rest; the
+    background part as a ratio to the raw write's CPU time."""
+    measure = bench_measure(monkeypatch)
+    split = measure._cpu_split([0.05, 0.03, 0.04], [0.02, 0.012, 0.001])
+    assert split == {"caller_cpu_s": 0.012, "background_cpu_s": pytest.approx(0.018)}
+    assert measure._cpu_split([0.05], []) == {}  # not paired: nothing claimed
+    refs = {
+        "memcpy_s": 0.010,
+        "clone_s": 0.012,
+        "xxh3_s": 0.006,
+        "raw_write_s": 0.1,
+        "raw_write_cpu_s": 0.020,
+    }
+    events = {"write_s": 0.09, "checksum_s": 0.0, "commit_s": 0.005, "stage_s": 0.01}
+    run = {"stall_s": 0.1, "e2e_s": 0.1, "cpu_s": 0.04, "events": events}
+    entry = {"label": "64 MiB", "bytes": 64 * 2**20, "references": refs}
+    methods = {
+        "stalwart_sync": run,
+        "stalwart_async": {**run, **split, "cpu_s": 0.03, "stall_s": 0.01},
+    }
+    results: dict[str, Any] = {"sizes": [{**entry, "methods": methods}]}
+    bench_report().analyze(results)
+    (row,) = [t for t in results["targets"] if t["target"].startswith("async save's CPU")]
+    assert "the training thread 12.0 ms" in row["detail"]
+    assert "the background writer 18.0 ms, 0.90x the raw write's" in row["detail"]
