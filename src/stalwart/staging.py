@@ -152,7 +152,7 @@ would compare two tensors with ``==`` where their hashes met)."""
 def is_staging_buffer(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``StagingArea``'s buffer: handed to every save of its slot as the
     same object, and never held, reshaped or moved by anyone else. (Not a sharded
-    tensor's staged copy, which is new at every save.) Known by a weak set, not by a
+    tensor's staged copy, which is new at every save.) Known by a weak registry, not by a
     mark on the tensor: an attribute would be pickled into its saved record."""
     return _BUFFERS.get(id(t)) is t
 
