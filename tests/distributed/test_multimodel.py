@@ -53,7 +53,9 @@ def losses(out: Path, rank: int) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "save"), [("ddp", []), ("fsdp2", []), ("ddp", ["--async-save"])], ids=str
+    ("kind", "save"),
+    [("ddp", []), ("fsdp2", []), ("ddp", ["--async-save"]), ("fsdp2", ["--async-save"])],
+    ids=str,
 )
 def test_killed_gan_resumes_bit_exact_on_every_rank(
     tmp_path: Path, kind: str, save: list[str]
