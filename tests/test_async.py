@@ -271,3 +271,56 @@ def test_interpreter_exit_waits_for_the_in_flight_save(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "returned" in proc.stdout
     assert (tmp_path / "step_000000001" / "MANIFEST.json").exists()
+
+
+@pytest.mark.parametrize("pack_after", [0, 2**62], ids=["packed", "not-packed"])
+def test_background_saves_reusing_their_records_restore_every_step_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pack_after: int
+) -> None:
+    """Records reused save after save, whether the file is packed into bounce buffers or
+    written record by record (large ones direct): every checkpoint restores its own
+    step's values, bit for bit, through stalwart's checked restore."""
+    from stalwart import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "_PACK_AFTER", pack_after)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(16, 16) for _ in range(20)], torch.nn.Linear(16, 2**15)
+    )  # small records and a 2 MiB weight
+    state = stalwart.TrainState(model=model)
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    kept: list[dict[str, list[object]]] = []
+    with stalwart.CheckpointManager(
+        tmp_path, every_steps=1, keep_last=None, async_save=True, handle_signals=False
+    ) as ckpt:
+        for step in range(1, 5):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.5).add_(step)
+            saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            ckpt.save(step, state)
+            ckpt.wait()
+            records = ckpt._writer.plans._records
+            kept.append({k: list(v.records) for k, v in records.items()})
+    # Every save after the first gives each kept record back as the very same object.
+    for before, after in itertools.pairwise(kept):
+        assert before.keys() == after.keys() and before
+        for key, records in after.items():
+            assert any(r is not None for r in records)
+            assert all(a is b for a, b in zip(before[key], records, strict=True))
+    for step, expected in saved.items():
+        target = copy_model_like(model)
+        with stalwart.CheckpointManager(tmp_path, handle_signals=False) as ckpt:
+            assert ckpt.restore(stalwart.TrainState(model=target), step=step) == step
+        for k, v in target.state_dict().items():
+            assert torch.equal(v, expected[k]), (step, k)
+
+
+def copy_model_like(model: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    target = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.zero_()
+    return target

@@ -34,6 +34,12 @@ What the cache is keyed on, and why that is exact:
   of them) whose ``pickle`` is byte for byte the cached one, under the same
   ``torch.save`` settings.
 
+The writer also keeps here each file's write results (reused where a result
+says the same: the same item object, file, offset and length) and, for a
+save in the background, its prepared records (reused only for the very
+staging buffer a record views, under the same ``torch.save`` settings; see
+``writer._prepared``).
+
 Unlike DCP's own ``enable_plan_caching`` (class-level state shared by every
 save of the process), one cache belongs to one run's saves: two managers in
 one process never see each other's plans.
@@ -49,7 +55,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
@@ -60,6 +66,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from stalwart import metadata_json
 from stalwart.state.plain import is_plain_data
+
+if TYPE_CHECKING:  # the writer imports this module
+    from stalwart.writer import PreparedRecords
 
 __all__ = ["CachingSavePlanner", "SavePlanCache", "encode_metadata"]
 
@@ -100,7 +109,7 @@ class SavePlanCache:
         self._pickled: _Pickled | None = None
         self._values: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
         self._results: dict[str, list[WriteResult]] = {}
-        self._records: dict[str, Any] = {}
+        self._records: dict[str, PreparedRecords] = {}
         self.hits = 0
         self.misses = 0
 
@@ -126,14 +135,17 @@ class SavePlanCache:
         with self._lock:
             return self._results.get(storage_key, [])
 
-    def file_records(self, storage_key: str) -> Any:
+    def file_records(self, storage_key: str) -> PreparedRecords | None:
         """The prepared records (``writer.PreparedRecords``) of the last save's file named
         ``storage_key``, kept for a state of staged tensors; None if there are none."""
         with self._lock:
             return self._records.get(storage_key)
 
     def keep_file_results(
-        self, storage_key: str, results: list[WriteResult], records: Any = None
+        self,
+        storage_key: str,
+        results: list[WriteResult],
+        records: PreparedRecords | None = None,
     ) -> None:
         """Remember a file's write results (and prepared records, if any), for the next
         save's file of that name to reuse."""

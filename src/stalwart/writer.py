@@ -485,8 +485,7 @@ class ChecksummingWriter(FileSystemWriter):
         tensors only: ``staged``); None where none are kept."""
         if not self.staged or self.plans is None:
             return None
-        earlier = self.plans.file_records(key)
-        return earlier if isinstance(earlier, PreparedRecords) else PreparedRecords()
+        return self.plans.file_records(key) or PreparedRecords()
 
     def _sync_later(self, out: HashedFile) -> None:
         """Finish ``out`` (one of ``_files``) and start its fsync."""
