@@ -39,6 +39,7 @@ from stalwart.policy import SavePolicy
 from stalwart.preemption import SaveTimes
 from stalwart.saving import SaveWriter
 from stalwart.staging import AsyncSaver
+from stalwart.storage.base import newest_committed
 
 __all__ = ["ContinuousSchedule", "check_seconds", "daly_interval", "young_interval"]
 
@@ -125,7 +126,7 @@ class ContinuousSchedule:
         tiers = self.writer.tiers
         if tiers is not None:
             return tiers.uploader.last_durable_step
-        return max(self.writer.storage.committed_steps(), default=None)
+        return newest_committed(self.writer.storage)
 
     def save_starting(self, step: int) -> None:
         """Record the recovery point just before the save of ``step`` starts (rank 0 writes it)."""

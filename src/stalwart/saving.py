@@ -47,7 +47,7 @@ from stalwart.provenance import Provenance
 from stalwart.retention import apply_retention
 from stalwart.save_plan import SavePlanCache
 from stalwart.state import TrainState
-from stalwart.storage.base import CheckpointStorage
+from stalwart.storage.base import CheckpointStorage, is_committed
 from stalwart.tiers import TierSync
 from stalwart.workers import Workers
 from stalwart.writer import RecordTemplates
@@ -264,7 +264,7 @@ class SaveWriter:
             return staged, state.rank_digests(staged)
 
         def exists() -> bool:
-            return step == self.last_saved_step or step in self.storage.committed_steps()
+            return step == self.last_saved_step or is_committed(self.storage, step)
 
         peer: list[RankError] = []
 

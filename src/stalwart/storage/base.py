@@ -25,7 +25,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["CheckpointStorage", "DurableMirror", "StepEntry", "StepStatus"]
+__all__ = [
+    "CheckpointStorage",
+    "DurableMirror",
+    "StepEntry",
+    "StepStatus",
+    "is_committed",
+    "newest_committed",
+]
 
 StepStatus = Literal["committed", "incomplete", "corrupt"]
 
@@ -82,6 +89,10 @@ class CheckpointStorage(Protocol):
         """The committed steps, oldest first (not verified)."""
         ...
 
+    # Optional: ``is_committed(step) -> bool`` and ``newest_committed() -> int | None``,
+    # direct look-ups that every save makes (see the functions of the same names
+    # below); without them a save lists every committed step of the run.
+
     def quarantine(self, step: int) -> Path:
         """Move committed ``step``, found bad, out of the way (kept for inspection); return where."""
         ...
@@ -89,6 +100,23 @@ class CheckpointStorage(Protocol):
     def delete(self, step: int) -> None:
         """Remove a committed step so that it stops existing at once, then free its space."""
         ...
+
+
+def is_committed(storage: CheckpointStorage, step: int) -> bool:
+    """Whether ``step`` is committed in ``storage``: the storage's own ``is_committed``
+    when it has one (``LocalStorage`` looks at one directory), else ``committed_steps``."""
+    probe = getattr(storage, "is_committed", None)
+    return bool(probe(step)) if callable(probe) else step in storage.committed_steps()
+
+
+def newest_committed(storage: CheckpointStorage) -> int | None:
+    """The newest committed step of ``storage`` (None: none): the storage's own
+    ``newest_committed`` when it has one, else the last of ``committed_steps``."""
+    probe = getattr(storage, "newest_committed", None)
+    if callable(probe):
+        newest = probe()
+        return None if newest is None else int(newest)
+    return max(storage.committed_steps(), default=None)
 
 
 @runtime_checkable

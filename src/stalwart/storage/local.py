@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from stalwart.errors import CheckpointSaveError
@@ -117,34 +118,73 @@ class LocalStorage:
         Entries that are symbolic links, files, FIFOs or devices are skipped (only
         ``lstat``, nothing is opened): stalwart never made them.
         """
-        entries: list[StepEntry] = []
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        for name in names:
-            path = self.root / name
-            parsed = parse_checkpoint_name(name)
-            if parsed is None:
-                continue
-            if not _is_real_dir(path):
-                logger.debug("%s is not a real directory (a link?): not a checkpoint", path)
-                continue
-            status: StepStatus
-            if parsed.kind == "step":
-                # A step directory without a manifest cannot come from our rename
-                # protocol (the manifest is in place before the rename); it was
-                # copied or damaged by hand, and does not count as committed.
-                committed = (path / MANIFEST_NAME).is_file()
-                status = "committed" if committed else "incomplete"
-            else:
-                status = "corrupt" if parsed.kind == "corrupt" else "incomplete"
-            entries.append(StepEntry(name=name, path=path, step=parsed.step, status=status))
+        entries = [
+            StepEntry(name=name, path=self.root / name, step=step, status=status)
+            for name, step, status in self._entries()
+        ]
         entries.sort(key=lambda e: (e.step if e.step is not None else -1, e.name))
         return entries
 
     def committed_steps(self) -> list[int]:
-        return [e.step for e in self.scan() if e.status == "committed" and e.step is not None]
+        return sorted(step for _, step, status in self._entries() if status == "committed")
+
+    def is_committed(self, step: int) -> bool:
+        """Whether ``step`` is committed, looked up directly (the run may hold many steps).
+
+        The same test as ``scan``'s: a real directory of that name holding a manifest.
+        """
+        path = self.step_path(step)
+        return _is_real_dir(path) and (path / MANIFEST_NAME).is_file()
+
+    def newest_committed(self) -> int | None:
+        """The newest committed step (None: none), without a stat of every older one."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return None
+        steps = (step_of_dir_name(name) for name in names if name.startswith("step_"))
+        for step in sorted((s for s in steps if s is not None), reverse=True):
+            if self.is_committed(step):
+                return step
+        return None
+
+    def _entries(self) -> Iterator[tuple[str, int, StepStatus]]:
+        # One pass of scandir, whose entries know their type without a stat on
+        # most filesystems: a save lists the run, which may hold a thousand kept
+        # steps; only a committed name costs a stat (of its manifest).
+        root = os.fspath(self.root)
+        try:
+            listing = os.scandir(root)
+        except FileNotFoundError:
+            return
+        with listing:
+            for entry in listing:
+                name = entry.name
+                if not name.startswith(("step_", ".step_")):
+                    continue
+                parsed = parse_checkpoint_name(name)
+                if parsed is None:
+                    continue
+                try:
+                    real_dir = entry.is_dir(follow_symlinks=False)
+                except OSError:
+                    real_dir = False
+                if not real_dir:
+                    logger.debug(
+                        "%s is not a real directory (a link?): not a checkpoint",
+                        os.path.join(root, name),
+                    )
+                    continue
+                status: StepStatus
+                if parsed.kind == "step":
+                    # A step directory without a manifest cannot come from our rename
+                    # protocol (the manifest is in place before the rename); it was
+                    # copied or damaged by hand, and does not count as committed.
+                    committed = os.path.isfile(os.path.join(root, name, MANIFEST_NAME))
+                    status = "committed" if committed else "incomplete"
+                else:
+                    status = "corrupt" if parsed.kind == "corrupt" else "incomplete"
+                yield name, parsed.step, status
 
     def quarantine(self, step: int) -> Path:
         """Move a committed step that failed verification out of the way, keeping it for inspection."""
