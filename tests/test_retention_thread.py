@@ -6,6 +6,7 @@ disk freeing a large checkpoint's blocks); everything else is the real thing.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable
@@ -16,9 +17,12 @@ import pytest
 
 import stalwart
 from stalwart.events import read_events
+from stalwart.saving import Deletions
 from stalwart.storage.local import LocalStorage
+from stalwart.workers import Workers
 
 from .conftest import make_parts, train_steps
+from .support.interrupts import raised_into
 
 HANG_S = 30.0
 """Longer than any step here takes: a test waiting this long has found a save that hangs."""
@@ -136,3 +140,30 @@ def test_a_retention_pass_that_fails_is_an_event_and_training_goes_on(tmp_path: 
         storage.fail_scan_in = None  # the directory is readable again: the next pass catches up
         assert ckpt.save(4, parts.state)
         assert ckpt.all_steps() == [4]
+
+
+@pytest.mark.parametrize(
+    ("code", "marker", "passes_after"),
+    [
+        (Workers.submit.__code__, "return self._executor().submit", 1),
+        (concurrent.futures.ThreadPoolExecutor.submit.__code__, "self._adjust_thread_count()", 2),
+    ],
+    ids=["before-it-is-queued", "after-it-is-queued"],
+)
+def test_an_interrupt_while_a_pass_is_handed_over_leaves_retention_working(
+    code: Any, marker: str, passes_after: int
+) -> None:
+    """Ctrl-C, or a signal handler's error, raised into the training thread while it
+    hands a retention pass over (found by the sweep of tests/faults/test_interrupts.py):
+    retention used to believe a pass was running and never ran one again."""
+    passes: list[str] = []
+    deletions = Deletions(lambda: passes.append(threading.current_thread().name))
+    raised_into(code, marker, KeyboardInterrupt(), deletions.request)
+    deletions.request()
+    deletions.wait()
+    # One pass for the second request; a pass queued before the interrupt ran before it.
+    assert len(passes) == passes_after, passes
+    assert all(name.startswith("stalwart-retention") for name in passes), passes
+    deletions.request()
+    deletions.wait()
+    assert len(passes) == passes_after + 1

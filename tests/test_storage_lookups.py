@@ -13,9 +13,18 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 import stalwart
-from stalwart.layout import MANIFEST_NAME, hidden_name, step_dir_name
+from stalwart.layout import (
+    MANIFEST_NAME,
+    CheckpointName,
+    hidden_name,
+    parse_checkpoint_name,
+    parse_step_key,
+    step_dir_name,
+    step_of_dir_name,
+)
 from stalwart.storage.base import StepEntry, is_committed, newest_committed
 from stalwart.storage.local import LocalStorage
 
@@ -170,3 +179,53 @@ def test_a_storage_without_direct_lookups_is_listed_instead(tmp_path: Path) -> N
         train_steps(parts, 1)
         assert ckpt.save(20, parts.state, force=True)
     assert newest_committed(storage) == 20 == LocalStorage(run).newest_committed()
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["step_0000000005", "step_000000005\n", "step_00000005"],
+    ids=["ten-digits", "trailing-newline", "eight-digits"],
+)
+def test_a_step_spelt_otherwise_is_no_checkpoint_and_restore_takes_the_one_before(
+    tmp_path: Path, name: str
+) -> None:
+    """A copy (or a crafted directory) named like step 5 but not as stalwart names it
+    used to be listed as step 5, and a restore then failed on ``step_000000005``,
+    which does not exist, instead of taking step 3."""
+    run = tmp_path / "run"
+    parts = make_parts()
+    with stalwart.CheckpointManager(run, keep_last=None, handle_signals=False) as ckpt:
+        train_steps(parts, 1)
+        ckpt.save(3, parts.state, force=True)
+        wanted = {k: v.clone() for k, v in parts.model.state_dict().items()}
+        train_steps(parts, 1)
+        ckpt.save(5, parts.state, force=True)
+    os.rename(run / step_dir_name(5), run / name)
+    for parse in (parse_checkpoint_name, step_of_dir_name):
+        assert parse(name) is None
+        assert parse(hidden_name(5, "tmp").replace("000000005", name[5:])) is None
+    assert parse_step_key(f"{name}/{MANIFEST_NAME}") is None
+    storage = LocalStorage(run)
+    assert storage.committed_steps() == [3] and storage.newest_committed() == 3
+    assert [e.name for e in storage.scan()] == [step_dir_name(3)]
+    fresh = make_parts()
+    with stalwart.CheckpointManager(run, keep_last=None, handle_signals=False) as ckpt:
+        assert ckpt.restore(fresh.state) == 3
+        for key, value in wanted.items():
+            assert torch.equal(fresh.model.state_dict()[key], value), key
+        assert ckpt.save(5, fresh.state, force=True)  # step 5 is not taken
+    assert LocalStorage(run).committed_steps() == [3, 5]
+    assert (run / name).is_dir()  # never touched
+
+
+def test_steps_past_nine_digits_are_named_and_parsed_alike(tmp_path: Path) -> None:
+    for step in (0, 7, 999_999_999, 1_000_000_000, 12_345_678_901):
+        name = step_dir_name(step)
+        assert step_of_dir_name(name) == step
+        assert parse_checkpoint_name(hidden_name(step, "del")) == CheckpointName(step, "del")
+        assert parse_step_key(f"{name}/{MANIFEST_NAME}") == (step, MANIFEST_NAME)
+    run = tmp_path / "run"
+    _committed_dir(run, 1_000_000_000)
+    _committed_dir(run, 999_999_999)
+    assert LocalStorage(run).committed_steps() == [999_999_999, 1_000_000_000]
+    assert LocalStorage(run).newest_committed() == 1_000_000_000

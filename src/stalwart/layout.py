@@ -65,9 +65,14 @@ HiddenKind = Literal["tmp", "del", "corrupt"]
 """``tmp``: staging of a save; ``del``: a retention deletion; ``corrupt``: quarantined by restore."""
 
 _STEP_DIGITS = 9
-_STEP_RE = re.compile(r"^step_(\d{9,})$")
-_HIDDEN_RE = re.compile(r"^\.step_(\d{9,})\.(tmp|del|corrupt)-[0-9a-f]+$")
-_STEP_KEY_RE = re.compile(r"^step_(\d{9,})/(.+)$")
+_STEP_DIGITS_RE = r"(\d{9}|[1-9]\d{9,})"
+"""A step as ``step_dir_name`` writes it: nine digits, or more without a leading zero.
+Any other spelling of a step (``step_0000000200``) is not a name stalwart makes: a
+listing that took it for step 200 would send a restore to ``step_000000200``.
+``\\Z``, not ``$``: a name ending in a newline is no checkpoint either."""
+_STEP_RE = re.compile(rf"^step_{_STEP_DIGITS_RE}\Z")
+_HIDDEN_RE = re.compile(rf"^\.step_{_STEP_DIGITS_RE}\.(tmp|del|corrupt)-[0-9a-f]+\Z")
+_STEP_KEY_RE = re.compile(rf"^step_{_STEP_DIGITS_RE}/(.+)\Z")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

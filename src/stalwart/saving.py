@@ -90,7 +90,17 @@ class Deletions:
                 self._again = True
                 return
             self._running = True
-            self._future = _DELETERS.submit(self._passes)
+            try:
+                self._future = _DELETERS.submit(self._passes)
+            except BaseException:
+                # An interrupt raised into the hand-over (a signal handler's, at
+                # a call inside submit): without this, every later request would
+                # only ask the pass that never started for one more, and nothing
+                # would be deleted again in this process. Had the pass been
+                # queued already, it runs as well; passes hold the retention
+                # lock, so they still run one at a time.
+                self._running = False
+                raise
 
     def _passes(self) -> None:
         try:

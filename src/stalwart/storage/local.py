@@ -134,7 +134,7 @@ class LocalStorage:
         The same test as ``scan``'s: a real directory of that name holding a manifest.
         """
         path = self.step_path(step)
-        return _is_real_dir(path) and (path / MANIFEST_NAME).is_file()
+        return _is_real_dir(path) and _holds_manifest(os.fspath(path))
 
     def newest_committed(self) -> int | None:
         """The newest committed step (None: none), without a stat of every older one."""
@@ -180,7 +180,7 @@ class LocalStorage:
                     # A step directory without a manifest cannot come from our rename
                     # protocol (the manifest is in place before the rename); it was
                     # copied or damaged by hand, and does not count as committed.
-                    committed = os.path.isfile(os.path.join(root, name, MANIFEST_NAME))
+                    committed = _holds_manifest(os.path.join(root, name))
                     status = "committed" if committed else "incomplete"
                 else:
                     status = "corrupt" if parsed.kind == "corrupt" else "incomplete"
@@ -210,6 +210,18 @@ def _is_real_dir(path: Path) -> bool:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def _holds_manifest(directory: str) -> bool:
+    """Whether ``directory`` holds a manifest, a regular file (a link to one counts, as
+    for ``Path.is_file``): what makes a step directory committed. Raises what
+    ``Path.is_file`` raises (a permission error), not only False."""
+    try:
+        return stat.S_ISREG(os.stat(os.path.join(directory, MANIFEST_NAME)).st_mode)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):
+            return False
+        raise
 
 
 def _remove(path: Path) -> None:
