@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -124,6 +125,14 @@ class _ProtocolOnly:
         self._local.delete(step)
 
 
+def _save_each(ckpt: stalwart.CheckpointManager, parts: Any, steps: range) -> None:
+    """A step of training and a save (waited for) at each of ``steps``."""
+    for step in steps:
+        train_steps(parts, 1)
+        assert ckpt.save(step, parts.state, force=True)
+        ckpt.wait()
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_saves_that_keep_every_step_never_list_the_run(tmp_path: Path, async_save: bool) -> None:
     run = tmp_path / "run"
@@ -134,10 +143,7 @@ def test_saves_that_keep_every_step_never_list_the_run(tmp_path: Path, async_sav
     with stalwart.CheckpointManager(
         run, storage=storage, keep_last=None, async_save=async_save, handle_signals=False
     ) as ckpt:
-        for step in range(2000, 2004):
-            train_steps(parts, 1)
-            assert ckpt.save(step, parts.state, force=True)
-            ckpt.wait()
+        _save_each(ckpt, parts, range(2000, 2004))
         assert storage.listings == 0
         # A step already committed (by the earlier process) is never written again.
         assert not ckpt.save(1050, parts.state, force=True)
@@ -156,10 +162,7 @@ def test_retention_lists_the_run_once_per_save(tmp_path: Path) -> None:
     with stalwart.CheckpointManager(
         run, storage=storage, keep_last=2, handle_signals=False
     ) as ckpt:
-        for step in range(1, 6):
-            train_steps(parts, 1)
-            assert ckpt.save(step, parts.state, force=True)
-        ckpt.wait()
+        _save_each(ckpt, parts, range(1, 6))
         assert storage.listings == 5
     assert LocalStorage(run).committed_steps() == [4, 5]
 
