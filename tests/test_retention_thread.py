@@ -143,27 +143,36 @@ def test_a_retention_pass_that_fails_is_an_event_and_training_goes_on(tmp_path: 
 
 
 @pytest.mark.parametrize(
-    ("code", "marker", "passes_after"),
+    ("code", "marker", "queued"),
     [
-        (Workers.submit.__code__, "return self._executor().submit", 1),
-        (concurrent.futures.ThreadPoolExecutor.submit.__code__, "self._adjust_thread_count()", 2),
+        (Workers.submit.__code__, "return self._executor().submit", 0),
+        (concurrent.futures.ThreadPoolExecutor.submit.__code__, "self._adjust_thread_count()", 1),
     ],
     ids=["before-it-is-queued", "after-it-is-queued"],
 )
 def test_an_interrupt_while_a_pass_is_handed_over_leaves_retention_working(
-    code: Any, marker: str, passes_after: int
+    code: Any, marker: str, queued: int
 ) -> None:
     """Ctrl-C, or a signal handler's error, raised into the training thread while it
     hands a retention pass over (found by the sweep of tests/faults/test_interrupts.py):
-    retention used to believe a pass was running and never ran one again."""
+    retention used to believe a pass was running and never ran one again. A pass
+    queued before the interrupt is waited for like any other."""
     passes: list[str] = []
-    deletions = Deletions(lambda: passes.append(threading.current_thread().name))
+    gate = threading.Event()
+
+    def run() -> None:
+        assert gate.wait(HANG_S), "the test never opened the gate"
+        passes.append(threading.current_thread().name)
+
+    deletions = Deletions(run)
     raised_into(code, marker, KeyboardInterrupt(), deletions.request)
+    threading.Timer(0.2, gate.set).start()
+    deletions.wait()  # returns once a queued pass ran, through the gate
+    assert len(passes) == queued, passes
     deletions.request()
     deletions.wait()
-    # One pass for the second request; a pass queued before the interrupt ran before it.
-    assert len(passes) == passes_after, passes
+    assert len(passes) == queued + 1, passes
     assert all(name.startswith("stalwart-retention") for name in passes), passes
     deletions.request()
     deletions.wait()
-    assert len(passes) == passes_after + 1
+    assert len(passes) == queued + 2

@@ -55,7 +55,8 @@ from stalwart.writer import RecordTemplates
 __all__ = ["Deletions", "SaveWriter", "peer_failure"]
 
 _DELETERS = Workers("stalwart-retention", 1)
-"""The thread that runs retention's deletions, for every run of the process."""
+"""The thread that runs retention's deletions, for every run of the process: one, so its
+work runs in the order it was handed over (``Deletions.wait`` relies on it)."""
 
 
 def peer_failure(events: EventLog, step: int | None, exc: CoordinationError) -> CheckpointSaveError:
@@ -65,6 +66,10 @@ def peer_failure(events: EventLog, step: int | None, exc: CoordinationError) -> 
         message += f"; the checkpoint of step {step} was not written"
     events.emit("save_failed", logging.ERROR, step=step, error=message)
     return CheckpointSaveError(message)
+
+
+def _nothing() -> None:
+    pass
 
 
 class Deletions:
@@ -83,6 +88,7 @@ class Deletions:
         self._future: concurrent.futures.Future[None] | None = None
         self._running = False
         self._again = False
+        self._drain = False  # a pass may be queued that no future here stands for
 
     def request(self) -> None:
         with self._lock:
@@ -97,9 +103,12 @@ class Deletions:
                 # a call inside submit): without this, every later request would
                 # only ask the pass that never started for one more, and nothing
                 # would be deleted again in this process. Had the pass been
-                # queued already, it runs as well; passes hold the retention
-                # lock, so they still run one at a time.
+                # queued already, it runs as well (passes hold the retention
+                # lock, so they still run one at a time), and ``wait`` waits
+                # for the queue to drain.
                 self._running = False
+                self._future = None
+                self._drain = True
                 raise
 
     def _passes(self) -> None:
@@ -119,6 +128,12 @@ class Deletions:
     def wait(self) -> None:
         """Block until the requested passes ended (an interrupt raised into this thread
         comes out; the passes go on)."""
+        if self._drain:
+            # A pass handed over when an interrupt came may be queued: the one
+            # retention thread runs its work in order, so once this no-op ran,
+            # so had that pass.
+            _DELETERS.submit(_nothing).result()
+            self._drain = False
         while True:
             with self._lock:
                 future = self._future
