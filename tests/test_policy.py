@@ -61,3 +61,16 @@ def test_retention_never_deletes_the_newest_and_keeps_keep_last(steps, keep_last
     if keep_every:
         assert all(s % keep_every != 0 for s in doomed)
     assert set(doomed) <= set(steps)
+
+
+@given(
+    st.one_of(st.none(), st.integers(1, 5)),
+    st.one_of(st.none(), st.integers(1, 50)),
+    st.sets(st.integers(0, 300), max_size=40),
+)
+def test_a_policy_that_keeps_all_lets_nothing_go(keep_last, keep_every, steps) -> None:
+    # Retention skips listing the run when keeps_all says so: it must never be wrong.
+    policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
+    assert policy.keeps_all == (keep_last is None)
+    if policy.keeps_all:
+        assert policy.to_delete(sorted(steps)) == []

@@ -204,9 +204,8 @@ def test_a_step_spelt_otherwise_is_no_checkpoint_and_restore_takes_the_one_befor
         train_steps(parts, 1)
         ckpt.save(5, parts.state, force=True)
     os.rename(run / step_dir_name(5), run / name)
-    for parse in (parse_checkpoint_name, step_of_dir_name):
-        assert parse(name) is None
-        assert parse(hidden_name(5, "tmp").replace("000000005", name[5:])) is None
+    assert parse_checkpoint_name(name) is None and step_of_dir_name(name) is None
+    assert parse_checkpoint_name(hidden_name(5, "tmp").replace("000000005", name[5:])) is None
     assert parse_step_key(f"{name}/{MANIFEST_NAME}") is None
     storage = LocalStorage(run)
     assert storage.committed_steps() == [3] and storage.newest_committed() == 3

@@ -100,10 +100,15 @@ class RetentionPolicy:
             ):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
+    @property
+    def keeps_all(self) -> bool:
+        """True when no step is ever let go (``keep_last=None``): nothing to list."""
+        return self.keep_last is None
+
     def to_delete(self, steps: Sequence[int]) -> list[int]:
         """Steps (from the committed ``steps``) that this policy lets go, oldest first."""
         ordered = sorted(set(steps))
-        if self.keep_last is None or not ordered:
+        if self.keep_last is None or not ordered:  # (keeps_all, narrowed for mypy)
             return []
         keep = set(ordered[-self.keep_last :])
         if self.keep_every is not None:

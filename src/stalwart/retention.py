@@ -31,8 +31,8 @@ def apply_retention(
     disk space, never a checkpoint, and training goes on.
     """
     deleted: list[int] = []
-    if policy.keep_last is None:
-        return deleted  # keeps every step: no need to list them (a run may hold thousands)
+    if policy.keeps_all:
+        return deleted  # no need to list the steps (a run may hold thousands)
     for step in policy.to_delete(storage.committed_steps()):
         if step in protected:
             continue

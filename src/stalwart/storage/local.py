@@ -142,7 +142,7 @@ class LocalStorage:
             names = os.listdir(self.root)
         except FileNotFoundError:
             return None
-        steps = (step_of_dir_name(name) for name in names if name.startswith("step_"))
+        steps = (step_of_dir_name(name) for name in names)
         for step in sorted((s for s in steps if s is not None), reverse=True):
             if self.is_committed(step):
                 return step
@@ -160,8 +160,6 @@ class LocalStorage:
         with listing:
             for entry in listing:
                 name = entry.name
-                if not name.startswith(("step_", ".step_")):
-                    continue
                 parsed = parse_checkpoint_name(name)
                 if parsed is None:
                     continue
