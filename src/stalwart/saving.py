@@ -185,6 +185,8 @@ class SaveWriter:
         """When the last save was handed over (or the run restored): the time policy's clock."""
         self.last_saved_step: int | None = None
         """The newest step saved or restored by this run; saving it again is skipped."""
+        self.last_committed: int | None = None
+        """The step this writer committed last (retention never deletes it)."""
         self.observer: Callable[[int, float, float], None] | None = None
         """Told (step, stall_s, total_s) of every committed save, on every rank, in the committing thread."""
         self._retention_lock = threading.Lock()
@@ -366,6 +368,7 @@ class SaveWriter:
     def _after_commit(
         self, result: SaveResult, *, stall_s: float, stage_s: float, total_s: float, emergency: bool
     ) -> None:
+        self.last_committed = result.step
         if self.observer is not None:
             self.observer(result.step, stall_s, total_s)
         if not self.is_leader:
@@ -391,7 +394,8 @@ class SaveWriter:
         self.deletions.request()
 
     def apply_retention(self) -> None:
-        """Delete what the local retention lets go, never a step not yet durable.
+        """Delete what the local retention lets go, never a step not yet durable, nor
+        the step this run committed, saved or restored last.
 
         Rank 0, any thread, one pass at a time (the retention thread's and the
         durable tier's, which calls it once a step is durable). Never raises an
@@ -402,9 +406,16 @@ class SaveWriter:
         guard: contextlib.AbstractContextManager[set[int]] = (
             self.tiers.holding() if self.tiers is not None else contextlib.nullcontext(set())
         )
+        # The run's own recovery point is never let go, whatever larger steps the
+        # directory holds: the checkpoints after a restore(step=N) that rolled back,
+        # or a stray copy from another run. keep_last counts steps by number, so
+        # without this each new checkpoint would be deleted right after its commit.
+        own = {s for s in (self.last_committed, self.last_saved_step) if s is not None}
         try:
             with self._retention_lock, guard as protected:
-                apply_retention(self.storage, self.retention, self.events, protected=protected)
+                apply_retention(
+                    self.storage, self.retention, self.events, protected={*protected, *own}
+                )
         except Exception as exc:
             self.events.emit(
                 "delete_failed",
