@@ -203,6 +203,18 @@ def tree_bytes(root: Path) -> int:
     return sum((Path(d) / n).stat().st_size for d, _, fs in os.walk(root) for n in fs)
 
 
+def read_tree(root: Path) -> int:
+    """Read every file under ``root`` (or the file ``root``) once, in large reads: the bytes read."""
+    paths = [root] if root.is_file() else [Path(d) / n for d, _, fs in os.walk(root) for n in fs]
+    buf = bytearray(_IO_CHUNK)
+    total = 0
+    for path in sorted(paths):
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total
+
+
 def last_event(run_dir: Path, kind: str) -> dict[str, Any]:
     lines = (run_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()
     for line in reversed(lines):

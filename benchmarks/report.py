@@ -552,6 +552,7 @@ def markdown(results: dict[str, Any]) -> str:
     _peer_section(results, add)
     _training_section(results, add)
     _certificate_section(results, add)
+    _restart_section(results, add)
     return "\n".join(out) + "\n"
 
 
@@ -658,6 +659,63 @@ def _certificate_section(results: dict[str, Any], add: Any) -> None:
         f"{_num(cert['save_not_due_x_tiny_step'], '{:.3f}')} |"
     )
     add("")
+
+
+RESTART_NAMES = {
+    "raw_read": "*ref: raw read of the checkpoint's files*",
+    "stalwart": "stalwart: `CheckpointManager(run).restore(state)` (verified)",
+    "torch_load": "torch.load(weights_only=True) + load_state_dict",
+}
+
+
+def _restart_section(results: dict[str, Any], add: Any) -> None:
+    restart = results.get("restart")
+    label = (
+        f" (~{_size_of(restart['state']['bytes'])} state)" if restart and "state" in restart else ""
+    )
+    data = _section(results, "restart", f"A restart's wait: a new interpreter{label}", add)
+    if data is None:
+        return
+    methods = data["methods"]
+    add(
+        "After a failure every rank starts a new interpreter: it imports torch and its "
+        "checkpoint library, builds its model and optimizer (timed, left out: the user's own, "
+        "the same for every method), and restores. Each cell is the best of "
+        f"{data['repeats']} new processes per method; cold: the checkpoint's pages dropped from "
+        "the cache first (a new host), warm: cached (the same host).\n"
+    )
+    add(
+        "| method | start + imports | restore, cold | restore, warm | restart, cold | "
+        "restore's share of it | restore's throughput ÷ a raw read's, cold | warm |"
+    )
+    add("|---|---|---|---|---|---|---|---|")
+    raw = methods.get("raw_read", {})
+    for name, title in RESTART_NAMES.items():
+        m = methods.get(name)
+        if m is None:
+            continue
+        cold, warm = m["cold"], m["warm"]
+        imports = cold["startup_s"] + cold["imports_s"]
+        add(
+            f"| {title} | {_ms(imports)} | {_ms(cold['restore_s'])} | {_ms(warm['restore_s'])} | "
+            f"{_ms(cold['restart_s'])} | {_num(_div(cold['restore_s'], cold['restart_s']), '{:.0%}')} | "
+            f"{_num(_div(raw.get('cold', {}).get('restore_s'), cold['restore_s']))} | "
+            f"{_num(_div(raw.get('warm', {}).get('restore_s'), warm['restore_s']))} |"
+        )
+    add("")
+    st, tl = methods.get("stalwart"), methods.get("torch_load")
+    if st and tl:
+        c = st["cold"]
+        add(
+            f"stalwart ÷ torch.load: restore {_num(_div(c['restore_s'], tl['cold']['restore_s']))} "
+            f"cold, {_num(_div(st['warm']['restore_s'], tl['warm']['restore_s']))} warm; the whole "
+            f"restart {_num(_div(c['restart_s'], tl['cold']['restart_s']))} cold. stalwart's "
+            f"imports: torch {_ms(c['import_torch_s'])}, torch.distributed.checkpoint "
+            f"{_ms(c['import_dcp_s'])} (which imports torch.distributed.tensor), stalwart itself "
+            f"{_ms(c['import_stalwart_s'])}.\n"
+        )
+    if not all(m.get("cold_dropped", False) for k, m in methods.items()):
+        add("The page cache could not be dropped here: the cold column is not cold.\n")
 
 
 def _size_section(entry: dict[str, Any], meta: dict[str, Any], add: Any) -> None:

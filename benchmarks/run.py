@@ -40,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import report  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import restart  # noqa: E402
 import train_stats  # noqa: E402
 
 # The parent never imports torch (the job processes do, once, in the forkserver):
@@ -125,6 +126,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-train", action="store_true", help="skip the training-loop overhead part")
     p.add_argument(
+        "--restart-size",
+        type=parse_size,
+        default=None,
+        help="state size of the restart part: new interpreters that import and restore "
+        "(default 256M; quick: 16M)",
+    )
+    p.add_argument(
+        "--restart-repeats",
+        type=int,
+        help="new processes per method and cache state in the restart part (default 3; quick: 1)",
+    )
+    p.add_argument(
         "--no-durable", action="store_true", help="skip the durable tier (benchmarks/durable.py)"
     )
     p.add_argument(
@@ -151,6 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ]
     args.repeats = args.repeats or (2 if args.quick else 5)
     args.train_size = args.train_size or parse_size("64M")
+    args.restart_size = args.restart_size or parse_size("16M" if args.quick else "256M")
+    args.restart_repeats = args.restart_repeats or (1 if args.quick else 3)
     args.every = args.every or ([5] if args.quick else [5, 20])
     args.segment_saves = args.segment_saves or (3 if args.quick else 4)
     args.rounds = args.rounds or (2 if args.quick else 4)
@@ -379,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         results["per_call"] = runner.run(
             "per_call", "the same tensors holding almost no bytes", repeats=args.repeats
         )
+        print(f"a restart (~{size_label(args.restart_size)} state):", file=sys.stderr, flush=True)
+        results["restart"] = run_restarts(args, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     durable_md = ""
@@ -403,6 +420,26 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     print(f"wrote {stem}.md, {stem}.json; {plot_note}", file=sys.stderr)
     return 0
+
+
+def run_restarts(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """``restart.py``'s new interpreters (they import torch; this process does not)."""
+    t0 = time.perf_counter()
+    try:
+        result = restart.measure_restarts(
+            workdir / "restart",
+            args.restart_size,
+            args.restart_repeats,
+            threads=args.threads,
+            timeout=args.timeout,
+        )
+        status = "ok"
+    except (RuntimeError, OSError, subprocess.TimeoutExpired, ValueError) as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+        status = f"FAILED: {result['error']}"
+    label = "new interpreters, cold and warm"
+    print(f"  {label:<40} {time.perf_counter() - t0:6.1f}s  {status}", file=sys.stderr, flush=True)
+    return result
 
 
 def run_durable(args: argparse.Namespace, out_dir: Path, name: str) -> dict[str, Any]:

@@ -249,6 +249,105 @@ def test_quick_mode_measures_the_certificate_cost(quick_run: tuple[Path, dict]) 
     assert "## Exact-resume certificate: cost per step" in (out / "quick.md").read_text()
 
 
+@pytest.mark.slow
+def test_quick_mode_times_a_restart_in_new_interpreters(quick_run: tuple[Path, dict]) -> None:
+    """A restart imports torch and its library in a new interpreter, then restores: each
+    method's wait is split into its parts, and only stalwart's imports include DCP's."""
+    out, results = quick_run
+    restart = results["restart"]
+    assert "error" not in restart, restart
+    assert positive(restart["state"]["bytes"])
+    for method in ("raw_read", "stalwart", "torch_load"):
+        for cache in ("cold", "warm"):
+            t = restart["methods"][method][cache]
+            assert positive(t["restore_s"]) and positive(t["startup_s"]), (method, cache, t)
+            parts = t["startup_s"] + t["imports_s"] + t["restore_s"]
+            assert math.isclose(t["restart_s"], parts), (method, cache, t)
+    stalwart_cold = restart["methods"]["stalwart"]["cold"]
+    for key in ("import_torch_s", "import_dcp_s", "import_stalwart_s"):
+        assert positive(stalwart_cold[key]), (key, stalwart_cold)
+    assert (
+        stalwart_cold["imports_s"]
+        >= stalwart_cold["import_torch_s"] + stalwart_cold["import_dcp_s"]
+    )
+    assert "import_dcp_s" not in restart["methods"]["torch_load"]["cold"]
+    assert restart["methods"]["raw_read"]["cold"]["imports_s"] < stalwart_cold["import_torch_s"]
+    md = (out / "quick.md").read_text(encoding="utf-8")
+    assert "## A restart's wait: a new interpreter" in md
+    assert "| stalwart: `CheckpointManager(run).restore(state)` (verified) |" in md
+
+
+def test_a_restart_that_restores_other_values_fails_the_measurement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each new interpreter checks what it restored against the saved model: a checkpoint
+    holding other values makes the measurement fail instead of timing a wrong restore."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import measure
+    import restart
+    import torch
+
+    nbytes = 256 * 1024
+    restart._spawn(["prepare", str(tmp_path), str(nbytes)], timeout=120)
+    out, _ = restart._spawn(["child", "torch_load", str(tmp_path), str(nbytes), "warm", "1"], 120)
+    assert positive(out["times"]["restore_s"])
+    other, other_opt, _state = measure.build_state(nbytes, seed=5)
+    torch.save(
+        {"model": other.state_dict(), "optimizer": other_opt.state_dict()}, tmp_path / "state.pt"
+    )
+    with pytest.raises(RuntimeError, match="restored other values"):
+        restart._spawn(["child", "torch_load", str(tmp_path), str(nbytes), "warm", "1"], 120)
+
+
+def test_the_restart_section_gives_throughput_against_the_raw_read_and_says_when_not_cold() -> None:
+    def timed(restore: float, imports: float = 1.0) -> dict[str, float]:
+        return {
+            "startup_s": 0.02,
+            "imports_s": imports,
+            "restore_s": restore,
+            "restart_s": 0.02 + imports + restore,
+        }
+
+    stalwart = {
+        "cold": {
+            **timed(0.2, 1.5),
+            "import_torch_s": 1.0,
+            "import_dcp_s": 0.4,
+            "import_stalwart_s": 0.1,
+        },
+        "warm": timed(0.1, 1.5),
+        "cold_dropped": True,
+    }
+    results = {
+        "restart": {
+            "state": {"bytes": 2**28},
+            "repeats": 3,
+            "methods": {
+                "raw_read": {
+                    "cold": timed(0.1, 0.0),
+                    "warm": timed(0.04, 0.0),
+                    "cold_dropped": True,
+                },
+                "stalwart": stalwart,
+                "torch_load": {"cold": timed(0.16), "warm": timed(0.08), "cold_dropped": False},
+            },
+        }
+    }
+    lines: list[str] = []
+    bench_report()._restart_section(results, lines.append)
+    text = "\n".join(lines)
+    assert "(~256 MiB state)" in text
+    row = next(line for line in lines if line.startswith("| stalwart"))
+    assert row.endswith("| 200.0 ms | 100.0 ms | 1720.0 ms | 12% | 0.50 | 0.40 |"), row
+    assert "restore 1.25 cold, 1.25 warm; the whole restart 1.46 cold" in text
+    assert "torch.distributed.checkpoint 400.0 ms" in text
+    assert "could not be dropped" in text
+    lines.clear()
+    results["restart"]["methods"]["torch_load"]["cold_dropped"] = True
+    bench_report()._restart_section(results, lines.append)
+    assert not any("could not be dropped" in line for line in lines)
+
+
 def test_quick_mode_measures_each_methods_cost_per_call_and_splits_the_misses_by_it(
     quick_run: tuple[Path, dict],
 ) -> None:
