@@ -901,7 +901,10 @@ def _floor_note(refs: dict[str, Any], restore: dict[str, Any]) -> str:
         f"{_num(_div(restore['restore_warm_s'], warm))}x the floor's time"
         + (
             f"; into fresh objects {_num(_div(refs['raw_read_cold_s'], restore['restore_fresh_cold_s']))}x "
-            f"cold, {_num(_div(refs['raw_read_warm_s'], restore['restore_fresh_warm_s']))}x warm"
+            f"cold, {_num(_div(refs['raw_read_warm_s'], restore['restore_fresh_warm_s']))}x warm "
+            "(the restore allocates their optimizer's state, new memory: this run's clone of "
+            f"the state into fresh memory took {_ms(refs.get('clone_s'))}, its memcpy into ready "
+            f"memory {_ms(refs.get('memcpy_s'))})"
             if restore.get("restore_fresh_cold_s")
             else ""
         )
