@@ -1,7 +1,7 @@
 """Benchmark stalwart's checkpointing against its peers and the machine's physical limits.
 
     .venv/bin/python benchmarks/run.py            # full: ~64 MiB, 256 MiB, 1 GiB states
-    .venv/bin/python benchmarks/run.py --quick    # ~16 MiB and ~64 MiB, about a minute
+    .venv/bin/python benchmarks/run.py --quick    # ~16 MiB and ~64 MiB, under two minutes
 
 Writes ``<out>/<name>.md``, ``<name>.json`` and ``<name>.png`` (the plot needs
 matplotlib and is skipped with a message without it) and prints the markdown.
@@ -80,7 +80,7 @@ def size_label(nbytes: int) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--quick", action="store_true", help="small sizes, fewer repeats: about a minute"
+        "--quick", action="store_true", help="small sizes, fewer repeats: under two minutes"
     )
     p.add_argument(
         "--sizes",
