@@ -61,7 +61,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=420,  # about 100 s on 2 busy cores (the durable tier 12 s, new interpreters 25 s)
+        timeout=420,  # about 100 s on 2 busy cores (the durable tier 12 s, new interpreters 22 s)
         check=False,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
