@@ -141,6 +141,8 @@ class RestoreWalk:
                     same_world_size=not resharded,
                     newer_steps=[s for s in committed if s > candidate],
                 )
+                if step is not None:
+                    self._warn_rollback(candidate, [s for s in committed if s > candidate])
                 return Restored(candidate, manifest, source, resharded)
             if step is not None and last_error is not None:
                 raise last_error
@@ -202,6 +204,26 @@ class RestoreWalk:
             )
         else:
             self.events.emit("quarantine", step=candidate, path=str(aside))
+
+    def _warn_rollback(self, step: int, newer: list[int]) -> None:
+        """Say what a run going on from ``step`` will meet when newer steps are committed."""
+        if not newer or not self.coord.is_leader:
+            return
+        where = str(self.directory) + (f" and {self.durable_url}" if self.durable_url else "")
+        shown = ", ".join(map(str, newer[:10])) + (", ..." if len(newer) > 10 else "")
+        self.events.emit(
+            "restore_rollback",
+            logging.WARNING,
+            step=step,
+            newer_steps=newer,
+            reason=(
+                f"restored step {step} while the run holds newer committed steps ({shown}): "
+                "a run that goes on from here skips saving those step numbers (a checkpoint is "
+                f"never overwritten), and a restore() without step= loads step {newer[-1]}, not "
+                f"this run's; if training goes on from step {step}, move those steps out of "
+                f"{where} first"
+            ),
+        )
 
     def _download(self, step: int) -> None:
         """Rank 0 fetches ``step`` from the durable tier into the local tier; all ranks agree."""
