@@ -181,11 +181,17 @@ def fsync_tree(root: Path) -> None:
     fsync_path(root.parent)
 
 
+def files_under(root: Path) -> list[Path]:
+    """``root`` itself when it is a file, else every file under it."""
+    if root.is_file():
+        return [root]
+    return [Path(d) / n for d, _, fs in os.walk(root) for n in fs]
+
+
 def drop_page_cache(root: Path) -> bool:
     """Evict the (clean, fsynced) pages of every file under ``root``; True if the call worked."""
     ok = True
-    paths = [root] if root.is_file() else [Path(d) / n for d, _, fs in os.walk(root) for n in fs]
-    for path in paths:
+    for path in files_under(root):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -198,17 +204,14 @@ def drop_page_cache(root: Path) -> bool:
 
 
 def tree_bytes(root: Path) -> int:
-    if root.is_file():
-        return root.stat().st_size
-    return sum((Path(d) / n).stat().st_size for d, _, fs in os.walk(root) for n in fs)
+    return sum(path.stat().st_size for path in files_under(root))
 
 
 def read_tree(root: Path) -> int:
     """Read every file under ``root`` (or the file ``root``) once, in large reads: the bytes read."""
-    paths = [root] if root.is_file() else [Path(d) / n for d, _, fs in os.walk(root) for n in fs]
     buf = bytearray(_IO_CHUNK)
     total = 0
-    for path in sorted(paths):
+    for path in sorted(files_under(root)):
         with open(path, "rb", buffering=0) as f:
             while n := f.readinto(buf):
                 total += n

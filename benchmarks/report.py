@@ -714,7 +714,7 @@ def _restart_section(results: dict[str, Any], add: Any) -> None:
             f"{_ms(c['import_dcp_s'])} (which imports torch.distributed.tensor), stalwart itself "
             f"{_ms(c['import_stalwart_s'])}.\n"
         )
-    if not all(m.get("cold_dropped", False) for k, m in methods.items()):
+    if not all(m.get("cold_dropped", False) for m in methods.values()):
         add("The page cache could not be dropped here: the cold column is not cold.\n")
 
 

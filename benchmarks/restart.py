@@ -134,8 +134,7 @@ def measure_restarts(
                 # model's construction (the user's own, the same for every method).
                 times["startup_s"] = times.pop("started_at") - spawned
                 times["restart_s"] = times["startup_s"] + times["imports_s"] + times["restore_s"]
-                times["cold_dropped"] = out["cold_dropped"]
-                samples[method][cache].append(times)
+                samples[method][cache].append({**times, "cold_dropped": out["cold_dropped"]})
     result: dict[str, Any] = {"state": state, "repeats": repeats, "methods": {}}
     for method, caches in samples.items():
         entry: dict[str, Any] = {}

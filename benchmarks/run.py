@@ -178,6 +178,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def progress(label: str, seconds: float, status: str) -> None:
+    """One finished part of the run, on stderr."""
+    print(f"  {label:<40} {seconds:6.1f}s  {status}", file=sys.stderr, flush=True)
+
+
 class Runner:
     """Runs measurement jobs one at a time, each in a fresh process from a torch-preloaded forkserver."""
 
@@ -216,7 +221,7 @@ class Runner:
             outcome = {"ok": False, "error": f"process exited with code {proc.exitcode}"}
         elapsed = time.perf_counter() - t0
         status = "ok" if outcome["ok"] else f"FAILED: {outcome['error']}"
-        print(f"  {label:<40} {elapsed:6.1f}s  {status}", file=sys.stderr, flush=True)
+        progress(label, elapsed, status)
         if not outcome["ok"]:
             log = (
                 log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
@@ -437,8 +442,7 @@ def run_restarts(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     except (RuntimeError, OSError, subprocess.TimeoutExpired, ValueError) as exc:
         result = {"error": f"{type(exc).__name__}: {exc}"}
         status = f"FAILED: {result['error']}"
-    label = "new interpreters, cold and warm"
-    print(f"  {label:<40} {time.perf_counter() - t0:6.1f}s  {status}", file=sys.stderr, flush=True)
+    progress("new interpreters, cold and warm", time.perf_counter() - t0, status)
     return result
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import stalwart
-from stalwart.layout import EVENTS_NAME
+from stalwart.layout import EVENTS_NAME, MANIFEST_NAME, step_dir_name
 
 from .conftest import make_parts, train_steps
 
@@ -77,3 +77,21 @@ def test_a_fallback_past_a_damaged_newest_step_is_no_rollback(tmp_path: Path) ->
     with stalwart.CheckpointManager(run, keep_last=None, handle_signals=False) as ckpt:
         assert ckpt.restore(parts.state) == 100
     assert _events(run, "restore_rollback") == []
+
+
+def test_thousands_of_newer_steps_give_a_warning_of_bounded_length(tmp_path: Path) -> None:
+    """Crafted: 3,000 directories named and marked like newer checkpoints. The warning
+    names the first ten and says how many the run goes on to skip past."""
+    run = tmp_path / "run"
+    parts = _run_with_steps(run, (1,))
+    for step in range(2, 3002):
+        crafted = run / step_dir_name(step)
+        crafted.mkdir()
+        (crafted / MANIFEST_NAME).write_text("{}")
+    with stalwart.CheckpointManager(run, keep_last=None, handle_signals=False) as ckpt:
+        assert ckpt.restore(parts.state, step=1) == 1
+    (event,) = _events(run, "restore_rollback")
+    assert len(event["newer_steps"]) == 3000
+    reason = event["reason"]
+    assert "(2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ...)" in reason and "loads step 3001" in reason
+    assert len(reason) < 600, len(reason)

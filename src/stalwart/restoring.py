@@ -128,6 +128,7 @@ class RestoreWalk:
                     )
                     continue
                 resharded = manifest.world_size != self.coord.world_size
+                newer = [s for s in committed if s > candidate]
                 # Exactness is the certificate's verdict (resume_verified /
                 # resume_diverged) once the redone steps are compared, never claimed here.
                 self.events.emit(
@@ -139,10 +140,10 @@ class RestoreWalk:
                     saved_world_size=manifest.world_size,
                     world_size=self.coord.world_size,
                     same_world_size=not resharded,
-                    newer_steps=[s for s in committed if s > candidate],
+                    newer_steps=newer,
                 )
                 if step is not None:
-                    self._warn_rollback(candidate, [s for s in committed if s > candidate])
+                    self._warn_rollback(candidate, newer)
                 return Restored(candidate, manifest, source, resharded)
             if step is not None and last_error is not None:
                 raise last_error
