@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from stalwart.dcp_metadata import metadata_from_bytes
+from stalwart.device_read import read_to_device
 from stalwart.errors import CheckpointCorruptError
 from stalwart.framing import UnavailableError, decode_tensor, framed_data
 from stalwart.layout import DCP_METADATA_JSON_NAME, DCP_METADATA_NAME
@@ -389,9 +390,12 @@ def verified_checkpoint(
 class _Pending:
     """A tensor's raw data to read from a streamed file, and what to do once it is read."""
 
-    view: memoryview
+    view: memoryview | None
+    """Where to read on the host; None for ``target``'s read through pinned memory."""
     offset: int
     finish: Callable[[], None]
+    target: torch.Tensor | None = None
+    """A contiguous CUDA tensor the raw data is read onto (``read_to_device``)."""
 
 
 class VerifiedFileReader(SafeFileSystemReader):
@@ -439,7 +443,10 @@ class VerifiedFileReader(SafeFileSystemReader):
                 items = [
                     item for item in items if not self._read_streamed(checked, item, planner, reads)
                 ]
-                checked.read_many([(pending.view, pending.offset) for pending in reads])
+                checked.read_many([(p.view, p.offset) for p in reads if p.view is not None])
+                read_to_device(
+                    checked, [(p.target, p.offset) for p in reads if p.target is not None]
+                )
                 checked.check_unchanged()
                 for pending in reads:
                     pending.finish()
@@ -488,6 +495,20 @@ class VerifiedFileReader(SafeFileSystemReader):
             and tuple(target.shape) == shape
             and target.is_contiguous()
         )
+        if (
+            whole
+            and target.device.type == "cuda"
+            and target.dtype == dtype
+            and tuple(target.shape) == shape
+            and target.is_contiguous()
+        ):
+            # Onto the GPU through pinned buffers, the copies overlapping the reads.
+            def committed() -> None:
+                planner.commit_tensor(item, target)
+                self.decoded += 1
+
+            reads.append(_Pending(None, start + data_start, committed, target))
+            return True
         source = target if direct else torch.empty(shape, dtype=dtype)
 
         def finish() -> None:
