@@ -7,12 +7,17 @@ Checks (each prints one ``PASS``/``FAIL`` line; the exit status is 1 if any fail
 
 - pinned staging: `StagingArea.stage` (what an async save stages with) copies a GPU tensor into pinned host memory;
 - per-device RNG: a restore brings back every CUDA generator's stream;
-- DDP save/restore on one GPU: a single-rank DDP model and its AdamW state save and restore bit-exact;
+- DDP and FSDP2 save/restore on one GPU: a single-rank DDP or FSDP2 model and its AdamW
+  state save and restore bit-exact (NCCL);
+- exact resume: training with dropout on the GPU, stopped at step 10 and resumed into
+  new objects, ends bit-identical to the same 20 steps never stopped;
 
 and measurements (one ``RATIO`` line each):
 
 - D2H staging stall: ``StagingArea.stage`` over a copy into preallocated pinned
   buffers (the floor of a device-to-host stall);
+- async save stall: what ``save()`` with ``async_save=True`` keeps training waiting
+  for, over the same pinned copy of the model's parameters;
 - H2D restore: a verified restore onto the GPU over a raw read of the files plus
   a pinned host-to-device copy of the same bytes.
 
@@ -82,48 +87,149 @@ def check_device_rng(device: torch.device, root: Path) -> str:
     return f"{device.type} generator stream continues after restore"
 
 
-def check_ddp_roundtrip(device: torch.device, root: Path) -> str:
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (FSDP2 parameters and optimizer state), else the tensor."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+def _roundtrip(kind: str, device: torch.device, root: Path) -> str:
+    """One step of AdamW on a single-rank DDP or FSDP2 model, saved, restored into a
+    model whose parameters were zeroed and a fresh optimizer, compared bit for bit."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
-        backend, store=dist.FileStore(str(root / "store"), 1), rank=0, world_size=1
+        backend, store=dist.FileStore(str(root / f"store-{kind}"), 1), rank=0, world_size=1
     )
     try:
         ids = [device.index or 0] if device.type == "cuda" else None
-        ddp = nn.parallel.DistributedDataParallel(model_of(MiB, device), device_ids=ids)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-        ddp(torch.randn(8, ddp.module[0].in_features, device=device)).sum().backward()
+
+        def build(zero: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+            model = model_of(MiB, device)
+            if kind == "ddp":
+                model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            else:
+                from torch.distributed.device_mesh import init_device_mesh
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = init_device_mesh(device.type, (1,))
+                for layer in model:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            if zero:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.zero_()  # so that only the restore can make the values equal again
+            return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        model, opt = build(zero=False)
+        width = next(model.parameters()).shape[-1]
+        model(torch.randn(8, width, device=device)).sum().backward()
         opt.step()
-        saved = [p.detach().clone() for p in ddp.parameters()]
+        saved = [_plain(p.detach()).clone() for p in model.parameters()]
         saved_opt = {
-            (i, k): v.clone()
+            (i, k): _plain(v).clone()
             for i, st in opt.state_dict()["state"].items()
             for k, v in st.items()
             if isinstance(v, torch.Tensor)
         }
-        with stalwart.CheckpointManager(root / "ddp", handle_signals=False) as ckpt:
-            ckpt.save(1, stalwart.TrainState(model=ddp, optimizer=opt), force=True)
-        blank = model_of(MiB, device)
-        with torch.no_grad():
-            for p in blank.parameters():
-                p.zero_()  # so that only the restore can make the values equal again
-        fresh = nn.parallel.DistributedDataParallel(blank, device_ids=ids)
-        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
-        with stalwart.CheckpointManager(root / "ddp", handle_signals=False) as ckpt:
+        with stalwart.CheckpointManager(root / kind, handle_signals=False) as ckpt:
+            ckpt.save(1, stalwart.TrainState(model=model, optimizer=opt), force=True)
+        fresh, fresh_opt = build(zero=True)
+        with stalwart.CheckpointManager(root / kind, handle_signals=False) as ckpt:
             assert ckpt.restore(stalwart.TrainState(model=fresh, optimizer=fresh_opt)) == 1
         for a, b in zip(saved, fresh.parameters(), strict=True):
-            assert torch.equal(a, b.detach()), "DDP parameters come back bit-exact"
+            assert b.device.type == device.type, f"a parameter came back on {b.device}"
+            assert torch.equal(a, _plain(b.detach())), "parameters come back bit-exact"
         back_opt = fresh_opt.state_dict()["state"]
         assert saved_opt, "AdamW has state after one step"
         for (i, k), v in saved_opt.items():
-            assert torch.equal(v, back_opt[i][k]), f"optimizer state {i}.{k} comes back bit-exact"
+            got = _plain(back_opt[i][k])
+            assert torch.equal(v, got), f"optimizer state {i}.{k} comes back bit-exact"
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return f"single-rank DDP on {backend}: parameters and AdamW state saved and restored bit-exact"
+    what = "DDP" if kind == "ddp" else "FSDP2"
+    return (
+        f"single-rank {what} on {backend}: parameters and AdamW state saved and restored bit-exact"
+    )
 
 
-def measure_d2h_stall(device: torch.device, nbytes: int, repeats: int) -> tuple[float, str]:
-    tensors = [torch.randn(nbytes // 4 // 8, device=device) for _ in range(8)]
+def check_ddp_roundtrip(device: torch.device, root: Path) -> str:
+    return _roundtrip("ddp", device, root)
+
+
+def check_fsdp2_roundtrip(device: torch.device, root: Path) -> str:
+    return _roundtrip("fsdp2", device, root)
+
+
+def check_device_restore(device: torch.device, root: Path) -> str:
+    """A restore onto the device of tensors larger than a pinned buffer, of odd sizes and
+    several dtypes, into live tensors that were overwritten: every byte comes back."""
+    torch.manual_seed(2)
+    tensors = {
+        "big": torch.randn(3001, 3517, device=device),  # 42 MB: more than one pinned buffer
+        "odd": torch.randn(1023, 517, device=device),
+        "bf16": torch.randn(2049, 1031, device=device).to(torch.bfloat16),
+        "ints": torch.randint(0, 2**31 - 1, (777, 555), device=device),
+    }
+    saved = {k: v.clone() for k, v in tensors.items()}
+    holder = nn.Module()
+    for key, value in tensors.items():
+        holder.register_buffer(key, value)
+    state = stalwart.TrainState(model=holder, rng=False)
+    with stalwart.CheckpointManager(root / "device", handle_signals=False) as ckpt:
+        ckpt.save(1, state, force=True)
+        for t in tensors.values():
+            t.zero_()  # so that only the restore can make the values equal again
+        assert ckpt.restore(state) == 1
+    sync(device)
+    for key, value in saved.items():
+        assert tensors[key].device == value.device, f"{key} came back on {tensors[key].device}"
+        assert torch.equal(tensors[key], value), f"{key} comes back bit-exact"
+    total = sum(v.nbytes for v in saved.values()) / MiB
+    return f"{total:.0f} MiB in 4 tensors (fp32, bf16, int64) restored onto {device.type} bit-exact"
+
+
+def check_exact_resume(device: torch.device, root: Path) -> str:
+    """Training with dropout on the device, stopped and resumed through a checkpoint into
+    new objects, ends bit-identical to the same training never stopped."""
+    torch.use_deterministic_algorithms(True)
+    try:
+
+        def parts() -> tuple[nn.Module, torch.optim.Optimizer]:
+            model = nn.Sequential(nn.Linear(64, 256), nn.Dropout(0.3), nn.Linear(256, 8))
+            return model.to(device), torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+            for _ in range(steps):
+                x = torch.randn(32, 64, device=device)  # drawn from the device generator
+                opt.zero_grad(set_to_none=True)
+                model(x).square().mean().backward()
+                opt.step()
+
+        torch.manual_seed(1)
+        straight, straight_opt = parts()
+        train(straight, straight_opt, 20)
+        torch.manual_seed(1)
+        first, first_opt = parts()
+        train(first, first_opt, 10)
+        with stalwart.CheckpointManager(root / "exact", handle_signals=False) as ckpt:
+            ckpt.save(10, stalwart.TrainState(model=first, optimizer=first_opt), force=True)
+        torch.manual_seed(99)  # a new process's generators, and new objects
+        second, second_opt = parts()
+        with stalwart.CheckpointManager(root / "exact", handle_signals=False) as ckpt:
+            assert ckpt.restore(stalwart.TrainState(model=second, optimizer=second_opt)) == 10
+        train(second, second_opt, 10)
+        for a, b in zip(straight.parameters(), second.parameters(), strict=True):
+            assert torch.equal(a, b), "a resumed run ends where the unstopped run ends"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return f"20 steps with dropout on {device.type}, resumed at step 10: bit-identical"
+
+
+def pinned_copy(device: torch.device, tensors: list[torch.Tensor]) -> Callable[[], float]:
+    """The floor of a device-to-host stall: a timed copy of ``tensors`` into
+    preallocated pinned buffers."""
     pinned = [torch.empty(t.shape, pin_memory=device.type == "cuda") for t in tensors]
 
     def floor() -> float:
@@ -133,6 +239,12 @@ def measure_d2h_stall(device: torch.device, nbytes: int, repeats: int) -> tuple[
         sync(device)
         return time.perf_counter() - t0
 
+    return floor
+
+
+def measure_d2h_stall(device: torch.device, nbytes: int, repeats: int) -> tuple[float, str]:
+    tensors = [torch.randn(nbytes // 4 // 8, device=device) for _ in range(8)]
+    floor = pinned_copy(device, tensors)
     area = StagingArea()
     source = {f"t{i}": t for i, t in enumerate(tensors)}
     area.stage(source)  # allocate the buffers once, as the first save does
@@ -144,6 +256,34 @@ def measure_d2h_stall(device: torch.device, nbytes: int, repeats: int) -> tuple[
 
     f, s = best(floor, repeats), best(stage, repeats)
     return s / f, f"stage {s * 1e3:.1f} ms vs pinned copy {f * 1e3:.1f} ms"
+
+
+def measure_async_stall(
+    device: torch.device, root: Path, nbytes: int, repeats: int
+) -> tuple[float, str]:
+    """What training waits for in ``save()`` with ``async_save=True``, over a copy of the
+    same parameters into preallocated pinned buffers."""
+    model = model_of(nbytes, device)
+    floor = pinned_copy(device, [p.detach() for p in model.parameters()])
+    state = stalwart.TrainState(model=model, rng=False)
+    ckpt = stalwart.CheckpointManager(root / "async", async_save=True, handle_signals=False)
+    step = 0
+
+    def stall() -> float:
+        nonlocal step
+        step += 1
+        t0 = time.perf_counter()
+        ckpt.save(step, state, force=True)
+        took = time.perf_counter() - t0
+        ckpt.wait()  # the write, off the clock, before the next save
+        return took
+
+    try:
+        stall()  # the first save allocates the staging buffers
+        f, s = best(floor, repeats), best(stall, repeats)
+    finally:
+        ckpt.close()
+    return s / f, f"save() returns in {s * 1e3:.1f} ms vs pinned copy {f * 1e3:.1f} ms"
 
 
 def measure_h2d_restore(
@@ -203,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
             "pinned staging": check_pinned_staging,
             "per-device RNG": check_device_rng,
             "DDP save/restore": check_ddp_roundtrip,
+            "FSDP2 save/restore": check_fsdp2_roundtrip,
+            "device restore": check_device_restore,
+            "exact resume": check_exact_resume,
         }
         for name, check in checks.items():
             try:
@@ -215,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
             (
                 "D2H staging stall / pinned copy",
                 lambda: measure_d2h_stall(device, nbytes, args.repeats),
+            ),
+            (
+                "async save stall / pinned copy",
+                lambda: measure_async_stall(device, root, nbytes, args.repeats),
             ),
             (
                 "H2D restore / (read + pinned H2D copy)",
@@ -232,4 +379,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # cuBLAS is deterministic with a fixed workspace, which the exact-resume check asks for.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     sys.exit(main())

@@ -21,10 +21,17 @@ def test_the_gpu_script_runs_every_check_and_measurement_on_the_cpu() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    for check in ("pinned staging", "per-device RNG", "DDP save/restore"):
+    checks = (
+        "pinned staging",
+        "per-device RNG",
+        "DDP save/restore",
+        "FSDP2 save/restore",
+        "exact resume",
+    )
+    for check in checks:
         assert any(line.startswith(f"PASS {check}:") for line in lines), (check, proc.stdout)
     ratios = [line for line in lines if line.startswith("RATIO ")]
-    assert len(ratios) == 2 and all("x (" in line for line in ratios), proc.stdout
+    assert len(ratios) == 3 and all("x (" in line for line in ratios), proc.stdout
     assert not any(line.startswith("FAIL") for line in lines), proc.stdout
 
 
