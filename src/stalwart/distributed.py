@@ -42,6 +42,7 @@ from stalwart.errors import (
 __all__ = [
     "Coordinator",
     "RankError",
+    "default_backend",
     "get_rank",
     "get_world_size",
     "init_distributed",
@@ -297,6 +298,29 @@ class Coordinator:
         self.group = None
 
 
+def default_backend() -> str:
+    """The process group's backend for this node: ``"cuda:nccl,cpu:gloo"`` when CUDA
+    is available and every local rank (torchrun's ``LOCAL_WORLD_SIZE``) has a GPU
+    of its own, else ``"gloo"``, which works for CPU tensors and, slower, for CUDA
+    ones. The same on every rank of a node, so that all ranks agree."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    if local_world > gpus:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            logger.warning(
+                "%d processes on this node but %d GPU(s): not one each, so the process "
+                "group uses gloo (collectives of CUDA tensors go through host memory); "
+                "start at most %d process(es) per node for NCCL",
+                local_world,
+                gpus,
+                gpus,
+            )
+        return "gloo"
+    return "cuda:nccl,cpu:gloo"
+
+
 def init_distributed(backend: str | None = None, *, timeout: float = 1800.0) -> tuple[int, int]:
     """``init_process_group`` from torchrun's environment that survives elastic restarts.
 
@@ -309,8 +333,10 @@ def init_distributed(backend: str | None = None, *, timeout: float = 1800.0) -> 
     has a namespace of its own.
 
     Returns ``(rank, world_size)``. Without torchrun's variables it initializes
-    nothing and returns ``(0, 1)``. ``backend`` defaults to nccl with CUDA, gloo
-    without. Call once per process, before building the model.
+    nothing and returns ``(0, 1)``. ``backend`` defaults to ``default_backend()``:
+    NCCL for CUDA tensors and gloo for CPU ones when every local rank has a GPU
+    of its own (each rank then uses GPU ``LOCAL_RANK``), gloo alone otherwise.
+    Call once per process, before building the model.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -319,9 +345,17 @@ def init_distributed(backend: str | None = None, *, timeout: float = 1800.0) -> 
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = default_backend()
+    if "nccl" in backend:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus:
+            raise ValueError(
+                f"init_distributed({backend!r}): local rank {local_rank} has no GPU of its "
+                f"own ({gpus} visible); start at most {gpus} process(es) per node "
+                "(torchrun --nproc-per-node), or use backend='gloo'"
+            )
+        torch.cuda.set_device(local_rank)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "29500"))
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
