@@ -302,6 +302,13 @@ def render(path: Path) -> int:
     return 0
 
 
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree on PYTHONPATH
+        return "not installed"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render is not None:
@@ -314,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
         "cwd": os.getcwd(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": importlib.metadata.version("torch"),
-        "stalwart": importlib.metadata.version("stalwart"),
+        "torch": _version("torch"),
+        "stalwart": _version("stalwart"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),

@@ -103,6 +103,13 @@ def assert_same(a: object, b: object, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+@pytest.fixture(autouse=True)
+def _piped_console_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's tables are checked at their piped width: a ``COLUMNS`` that the shell
+    running the tests exports would fold their last column."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 @pytest.fixture
 def parts_factory() -> Callable[..., Parts]:
     return make_parts

@@ -781,3 +781,43 @@ def test_tensor_table_lists_every_entry_sorted(tmp_path: Path) -> None:
         tensor("flag", "bool", [4], 4),
         {"fqn": "step", "kind": "bytes", "dtype": None, "shape": None, "nbytes": None, "chunks": 1},
     ]
+
+
+def test_dcp_s_rank_local_retry_reports_the_first_read_s_real_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dcp.load retries a failed ``read_metadata`` with ``rank=``; torch 2.11 then reports
+    only the retry's missing ``__0.metadata``. The retry re-raises the first error instead."""
+    from stalwart.safe_load import SafeFileSystemReader
+
+    directory = _save(_trained_state(0), tmp_path / "ck")
+    boom = RuntimeError("the disk went away mid-read")
+
+    calls: list[str] = []
+
+    def failing(_directory: str, name: str) -> Any:
+        calls.append(name)
+        if len(calls) == 1:
+            raise boom
+        raise FileNotFoundError(name)  # what a retry would find: no rank-local file
+
+    monkeypatch.setattr("stalwart.safe_load.read_metadata_file", failing)
+    reader = SafeFileSystemReader(directory)
+    with pytest.raises(RuntimeError) as first:
+        reader.read_metadata()
+    with pytest.raises(RuntimeError) as retry:
+        reader.read_metadata(rank=0)
+    assert first.value is boom and retry.value is boom
+
+
+def test_a_missing_metadata_file_still_lets_dcp_try_the_rank_local_one(tmp_path: Path) -> None:
+    from stalwart.errors import CheckpointNotFoundError
+    from stalwart.safe_load import SafeFileSystemReader
+
+    directory = _save(_trained_state(0), tmp_path / "ck")
+    (directory / ".metadata").unlink()
+    reader = SafeFileSystemReader(directory)
+    with pytest.raises(CheckpointNotFoundError, match=r"\.metadata: no DCP metadata file"):
+        reader.read_metadata()
+    with pytest.raises(CheckpointNotFoundError, match=r"__0\.metadata: no DCP metadata file"):
+        reader.read_metadata(rank=0)

@@ -127,14 +127,27 @@ class SafeFileSystemReader(FileSystemReader):
         # Metadata already read (safely) by the caller: unpickling it again with
         # the pure-Python unpickler is the slowest part of a small restore.
         self._known_metadata = metadata
+        self._unexpected: BaseException | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # **kwargs must stay in the signature: dcp.load looks for it to decide
         # whether to retry with rank=.
-        if self._known_metadata is not None and kwargs.get("rank") is None:
-            metadata = self._known_metadata
-        else:
-            metadata = self._read_metadata_file(kwargs.get("rank"))
+        rank = kwargs.get("rank")
+        if rank is not None and self._unexpected is not None:
+            # dcp.load retries any failed read with a rank-local file, and some torch
+            # versions then report only the retry's "no such file": the first error
+            # (not a missing or damaged file, an interrupt's, say) is the one to see.
+            raise self._unexpected
+        try:
+            if self._known_metadata is not None and rank is None:
+                metadata = self._known_metadata
+            else:
+                metadata = self._read_metadata_file(rank)
+        except StalwartError:
+            raise
+        except BaseException as exc:
+            self._unexpected = exc
+            raise
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -270,7 +270,14 @@ class Worker:
         self.restarts = 0
 
     def _start(self) -> subprocess.Popen[str]:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        # No GPU: a CUDA context reserves far more address space than the cap allows,
+        # and these cases are about files, not devices.
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+        }
         # The worker imports the same stalwart as this process (and tests from ROOT).
         source = Path(stalwart.__file__).parents[1]
         env["PYTHONPATH"] = os.pathsep.join([str(source), env.get("PYTHONPATH", "")])

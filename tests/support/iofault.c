@@ -526,9 +526,15 @@ int fflush(FILE *stream) {
     FD_BODY(int, fd, "flush", -1, 0, REAL(fflush)(stream), EOF)
 }
 
+/* fclose's argument is declared nonnull (glibc 2.38 and later), so a NULL test on
+   it is a compile error under -Werror=nonnull-compare; this helper's is not. */
+__attribute__((noinline)) static int fd_of_stream(FILE *stream) {
+    return stream ? fileno(stream) : -1;
+}
+
 int fclose(FILE *stream) {
     load_fclose();
-    int fd = stream ? fileno(stream) : -1;
+    int fd = fd_of_stream(stream);
     if (!fd_watched(fd) || t_busy) {
         watch_fd(fd, 0);
         return REAL(fclose)(stream);
