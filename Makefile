@@ -27,7 +27,7 @@ typecheck: venv
 	$(VENV)/bin/mypy src/stalwart
 
 pytest: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 test: lint typecheck pytest
 
