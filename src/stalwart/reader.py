@@ -488,27 +488,15 @@ class VerifiedFileReader(SafeFileSystemReader):
         data_start, _ = found
         target = planner.resolve_tensor(item).detach()
         whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == shape
-        direct = (
+        # The stored bytes are the target's own: read into it (on the CPU) or through
+        # pinned buffers onto it (on a GPU); else into a fresh tensor, then copied.
+        same_bytes = (
             whole
-            and target.device.type == "cpu"
             and target.dtype == dtype
             and tuple(target.shape) == shape
             and target.is_contiguous()
         )
-        if (
-            whole
-            and target.device.type == "cuda"
-            and target.dtype == dtype
-            and tuple(target.shape) == shape
-            and target.is_contiguous()
-        ):
-            # Onto the GPU through pinned buffers, the copies overlapping the reads.
-            def committed() -> None:
-                planner.commit_tensor(item, target)
-                self.decoded += 1
-
-            reads.append(_Pending(None, start + data_start, committed, target))
-            return True
+        direct = same_bytes and target.device.type in ("cpu", "cuda")
         source = target if direct else torch.empty(shape, dtype=dtype)
 
         def finish() -> None:
@@ -518,8 +506,11 @@ class VerifiedFileReader(SafeFileSystemReader):
             planner.commit_tensor(item, target)
             self.decoded += 1
 
-        view = source.reshape(-1).view(torch.uint8).numpy().data
-        reads.append(_Pending(view, start + data_start, finish))
+        if direct and target.device.type == "cuda":
+            reads.append(_Pending(None, start + data_start, finish, target))
+        else:
+            view = source.reshape(-1).view(torch.uint8).numpy().data
+            reads.append(_Pending(view, start + data_start, finish))
         return True
 
     def _copy(self, item: ReadItem, tensor: torch.Tensor, target: torch.Tensor) -> None:
