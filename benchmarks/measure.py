@@ -352,6 +352,22 @@ class References:
                 pass
         return time.perf_counter() - t0
 
+    def place(self, path: Path, *, cold: bool) -> float:
+        """The floor of any restore, checked or not: the file read into the target tensors.
+
+        The same reads as ``read``, but each lands in state-sized memory
+        (``self.buffers``, preallocated like a live model's) instead of one
+        reused 8 MiB buffer that stays in the CPU's cache. No check, no
+        metadata: what a restore cannot do without.
+        """
+        if cold:
+            self.page_cache_drop = drop_page_cache(path) and self.page_cache_drop
+        t0 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            for b in self.buffers:
+                f.readinto(memoryview(b.reshape(-1).view(torch.uint8).numpy()))
+        return time.perf_counter() - t0
+
     def check_then_place(self, path: Path, *, cold: bool) -> float:
         """The floor of a restore that checks every byte before it writes any live tensor.
 
@@ -701,6 +717,8 @@ def _raw_write_and_read(refs: References, i: int, samples: dict[str, list[float]
         samples["write_direct_cpu"].append(direct[1])
     samples["cold"].append(refs.read(raw, cold=True))
     samples["warm"].append(refs.read(raw, cold=False))
+    samples["into_cold"].append(refs.place(raw, cold=True))
+    samples["into_warm"].append(refs.place(raw, cold=False))
     samples["place_cold"].append(refs.check_then_place(raw, cold=True))
     samples["place_warm"].append(refs.check_then_place(raw, cold=False))
     raw.unlink()
@@ -779,6 +797,8 @@ def job_timing(state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
             "write_direct_in_round_cpu",
             "cold",
             "warm",
+            "into_cold",
+            "into_warm",
             "place_cold",
             "place_warm",
         )
@@ -874,6 +894,8 @@ def job_timing(state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
                 ),
                 "raw_read_cold_s": best(ref_samples["cold"]),
                 "raw_read_warm_s": best(ref_samples["warm"]),
+                "place_cold_s": best(ref_samples["into_cold"]),
+                "place_warm_s": best(ref_samples["into_warm"]),
                 "check_place_cold_s": best(ref_samples["place_cold"]),
                 "check_place_warm_s": best(ref_samples["place_warm"]),
                 "page_cache_drop": refs.page_cache_drop,
@@ -1028,6 +1050,184 @@ def _make_step(model: nn.Module, opt: torch.optim.Optimizer, batch: int) -> Call
     return step
 
 
+class _Checkpointing:
+    """One training-loop variant's way to checkpoint: ``checkpoint(i)`` after step ``i``
+    (True when it saved), ``finish()`` waits for a save in flight, ``close()`` ends it."""
+
+    def __init__(
+        self, variant: str, root: Path, model: nn.Module, opt: Any, state: Any, every: int
+    ):
+        self.variant, self.root, self.every = variant, root, every
+        self.mgr: stalwart.CheckpointManager | None = None
+        self.writer: list[threading.Thread] = []
+        if variant in ("stalwart_sync", "stalwart_async"):
+            self.mgr = stalwart.CheckpointManager(
+                root / "run",
+                every_steps=every,
+                keep_last=3,
+                async_save=variant.endswith("async"),
+                handle_signals=False,
+            )
+            self.state = state
+        elif variant == "torch_save":
+            self.model, self.opt = model, opt
+        elif variant in ("floor_async", "floor_async_xxh3"):
+            # The physical floor of async checkpointing: memcpy into preallocated buffers,
+            # then one thread writes the raw bytes to a new file and fsyncs it. The xxh3
+            # variant also hashes every byte as it writes it (xxh3-128, GIL released):
+            # the floor of any async save that checksums what it writes.
+            self.tensors = state_tensors(model, opt)
+            self.buffers = [torch.empty_like(t) for t in self.tensors]
+            self.hashed = variant == "floor_async_xxh3"
+        else:
+            raise ValueError(f"unknown variant {variant!r}; known: {', '.join(TRAIN_VARIANTS)}")
+
+    def checkpoint(self, i: int) -> bool:
+        if self.mgr is not None:
+            return self.mgr.save(i, self.state)
+        if i % self.every:
+            return False
+        if self.variant == "torch_save":
+            final, tmp = self.root / f"ckpt_{i}.pt", self.root / f".ckpt_{i}.pt.tmp"
+            with open(tmp, "wb") as f:
+                torch.save(
+                    {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}, f
+                )
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            fsync_path(self.root)
+            old = self.root / f"ckpt_{i - 3 * self.every}.pt"  # keep the last 3, as stalwart does
+            old.unlink(missing_ok=True)
+            return True
+        self.finish()  # at most one save in flight, as stalwart's AsyncSaver
+        for b, t in zip(self.buffers, self.tensors, strict=True):
+            b.copy_(t)
+        thread = threading.Thread(target=self._write, args=(i,))
+        thread.start()
+        self.writer.append(thread)
+        return True
+
+    def _write(self, i: int) -> None:
+        import xxhash
+
+        digest = xxhash.xxh3_128()
+        with open(self.root / f"raw_{i}.bin", "wb", buffering=0) as f:
+            for b in self.buffers:
+                view = memoryview(b.reshape(-1).view(torch.uint8).numpy())
+                if self.hashed:
+                    digest.update(view)
+                f.write(view)
+            os.fsync(f.fileno())
+        digest.hexdigest()
+        fsync_path(self.root)
+        (self.root / f"raw_{i - 3 * self.every}.bin").unlink(missing_ok=True)
+
+    def finish(self) -> None:
+        if self.mgr is not None:
+            self.mgr.wait()
+        while self.writer:
+            self.writer.pop().join()
+
+    def close(self) -> None:
+        if self.mgr is not None:
+            self.mgr.close()
+        self.finish()
+
+    def logged_stalls(self) -> list[float]:
+        """What the manager itself reports as the stall of each save, to set beside the
+        time the loop actually spent inside save()."""
+        if self.mgr is None:
+            return []
+        events = (self.root / "run" / "events.jsonl").read_text(encoding="utf-8").splitlines()
+        return [
+            float(e["stall_s"])
+            for e in map(json.loads, events)
+            if e.get("event") == "save" and e.get("step", 0) > 0
+        ]
+
+
+def _training_step(state_bytes: int) -> tuple[Any, Callable[[], None], int]:
+    """The benchmark state and a step on it whose batch is grown until it takes ~25 ms
+    (the regime the overhead targets assume)."""
+    built = build_state(state_bytes)
+    model, opt, _state = built
+    batch = 8
+    step = _make_step(model, opt, batch)
+    while True:
+        step()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        if min(times) >= 0.02 or batch >= 4096:
+            break
+        batch *= 2
+        step = _make_step(model, opt, batch)
+    return built, step, batch
+
+
+class _Segments:
+    """The samples of one variant's pairs of segments (without checkpoints, then with)."""
+
+    def __init__(self, ckpt: _Checkpointing, step: Callable[[], None], every: int) -> None:
+        self.ckpt, self.step = ckpt, step
+        ckpt.checkpoint(0)  # warm-up: lazy imports and first-call costs are not the overhead
+        ckpt.finish()
+        self.saves = 0
+        self.base: list[float] = []
+        self.with_ckpt: list[float] = []
+        self.blocked: list[float] = []
+        self.save_calls: list[float] = []
+        # Start half an interval in, so a segment ends half an interval after its last
+        # save: waiting for that save at the segment's end then charges only what a
+        # steady-state loop would also wait for, not a whole save started on the
+        # segment's last step.
+        self.counter = every // 2
+
+    def pair(self, steps: int) -> None:
+        step = self.step
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        self.base.append(time.perf_counter() - t0)
+        blocked = 0.0
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+            self.counter += 1
+            t1 = time.perf_counter()
+            saved = self.ckpt.checkpoint(self.counter)
+            t2 = time.perf_counter()
+            blocked += t2 - t1
+            if saved:
+                self.saves += 1
+                self.save_calls.append(t2 - t1)
+        t1 = time.perf_counter()
+        self.ckpt.finish()  # an in-flight async save is charged to the segment that started it
+        t2 = time.perf_counter()
+        self.with_ckpt.append(t2 - t0)
+        self.blocked.append(blocked + t2 - t1)
+
+    def summary(self, *, state_bytes: int, batch: int, every: int, steps: int) -> dict[str, Any]:
+        return train_stats.train_summary(
+            {
+                "bytes": state_bytes,
+                "threads": torch.get_num_threads(),
+                "batch": batch,
+                "every": every,
+                "segment_steps": steps,
+                "saves": self.saves,
+                "base_segments_s": self.base,
+                "ckpt_segments_s": self.with_ckpt,
+                "blocked_segments_s": self.blocked,
+                "save_calls_s": self.save_calls,
+                "logged_stalls_s": self.ckpt.logged_stalls(),
+            }
+        )
+
+
 def job_train(
     variant: str,
     state_bytes: int,
@@ -1043,174 +1243,64 @@ def job_train(
     # Intra-op threads are set by the runner (--threads, default 1). With every core in
     # torch's pool, a background writer preempts a pool thread and the whole parallel
     # region waits for it; a GPU trainer's host has spare cores instead.
-    threads = torch.get_num_threads()
-    model, opt, state = build_state(state_bytes)
-    batch = 8
-    step = _make_step(model, opt, batch)
-    # Grow the batch until a step takes ~25 ms (the regime the overhead targets assume).
-    while True:
-        step()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        if min(times) >= 0.02 or batch >= 4096:
-            break
-        batch *= 2
-        step = _make_step(model, opt, batch)
+    (model, opt, state), step, batch = _training_step(state_bytes)
     root = Path(tempfile.mkdtemp(prefix=f"train-{variant}-", dir=workdir))
-    saves = 0
-
-    if variant in ("stalwart_sync", "stalwart_async"):
-        mgr = stalwart.CheckpointManager(
-            root / "run",
-            every_steps=every,
-            keep_last=3,
-            async_save=variant.endswith("async"),
-            handle_signals=False,
-        )
-
-        def checkpoint(i: int) -> None:
-            nonlocal saves
-            saves += mgr.save(i, state)
-
-        def finish() -> None:
-            mgr.wait()
-
-        def close() -> None:
-            mgr.close()
-
-    elif variant == "torch_save":
-        mgr = None
-
-        def checkpoint(i: int) -> None:
-            nonlocal saves
-            if i % every:
-                return
-            final, tmp = root / f"ckpt_{i}.pt", root / f".ckpt_{i}.pt.tmp"
-            with open(tmp, "wb") as f:
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-            fsync_path(root)
-            old = root / f"ckpt_{i - 3 * every}.pt"  # keep the last 3, as stalwart does
-            old.unlink(missing_ok=True)
-            saves += 1
-
-        def finish() -> None:
-            pass
-
-        def close() -> None:
-            pass
-
-    elif variant in ("floor_async", "floor_async_xxh3"):
-        # The physical floor of async checkpointing: memcpy into preallocated buffers,
-        # then one thread writes the raw bytes to a new file and fsyncs it. The xxh3
-        # variant also hashes every byte as it writes it (xxh3-128, GIL released):
-        # the floor of any async save that checksums what it writes.
-        import xxhash
-
-        mgr = None
-        tensors = state_tensors(model, opt)
-        buffers = [torch.empty_like(t) for t in tensors]
-        writer: list[threading.Thread] = []
-        hashed = variant == "floor_async_xxh3"
-
-        def write(i: int) -> None:
-            digest = xxhash.xxh3_128()
-            with open(root / f"raw_{i}.bin", "wb", buffering=0) as f:
-                for b in buffers:
-                    view = memoryview(b.reshape(-1).view(torch.uint8).numpy())
-                    if hashed:
-                        digest.update(view)
-                    f.write(view)
-                os.fsync(f.fileno())
-            digest.hexdigest()
-            fsync_path(root)
-            (root / f"raw_{i - 3 * every}.bin").unlink(missing_ok=True)
-
-        def checkpoint(i: int) -> None:
-            nonlocal saves
-            if i % every:
-                return
-            finish()  # at most one save in flight, as stalwart's AsyncSaver
-            for b, t in zip(buffers, tensors, strict=True):
-                b.copy_(t)
-            thread = threading.Thread(target=write, args=(i,))
-            thread.start()
-            writer.append(thread)
-            saves += 1
-
-        def finish() -> None:
-            while writer:
-                writer.pop().join()
-
-        def close() -> None:
-            finish()
-
-    else:
-        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(TRAIN_VARIANTS)}")
-
-    checkpoint(0)  # warm-up: lazy imports and first-call costs are not the loop's overhead
-    finish()
-    saves = 0
-    base_times, ckpt_times, blocked_times, save_calls = [], [], [], []
-    # Start half an interval in, so a segment ends half an interval after its last save:
-    # waiting for that save at the segment's end then charges only what a steady-state
-    # loop would also wait for, not a whole save started on the segment's last step.
-    counter = every // 2
     try:
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(segment_steps):
-                step()
-            base_times.append(time.perf_counter() - t0)
-            blocked = 0.0
-            t0 = time.perf_counter()
-            for _ in range(segment_steps):
-                step()
-                counter += 1
-                before = saves
-                t1 = time.perf_counter()
-                checkpoint(counter)
-                t2 = time.perf_counter()
-                blocked += t2 - t1
-                if saves > before:
-                    save_calls.append(t2 - t1)
-            t1 = time.perf_counter()
-            finish()  # an in-flight async save is charged to the segment that started it
-            t2 = time.perf_counter()
-            ckpt_times.append(t2 - t0)
-            blocked_times.append(blocked + t2 - t1)
-        close()
-        logged_stalls = []
-        if mgr is not None:
-            # What the manager itself reports as the stall of each save, to set beside
-            # the time the loop actually spent inside save().
-            for line in (root / "run" / "events.jsonl").read_text(encoding="utf-8").splitlines():
-                event = json.loads(line)
-                if event.get("event") == "save" and event.get("step", 0) > 0:
-                    logged_stalls.append(float(event["stall_s"]))
+        ckpt = _Checkpointing(variant, root, model, opt, state, every)
+        try:
+            segments = _Segments(ckpt, step, every)
+            for _ in range(rounds):
+                segments.pair(segment_steps)
+        finally:
+            ckpt.close()
+        return segments.summary(
+            state_bytes=state_nbytes(model, opt), batch=batch, every=every, steps=segment_steps
+        )
     finally:
-        close()
         shutil.rmtree(root, ignore_errors=True)
-    return train_stats.train_summary(
-        {
-            "bytes": state_nbytes(model, opt),
-            "threads": threads,
-            "batch": batch,
+
+
+SIDE_BY_SIDE = ("stalwart_async", "floor_async", "floor_async_xxh3")
+"""The variants the target against the physical floor compares, run in one process."""
+
+
+def job_train_side_by_side(
+    state_bytes: int, every: int, segment_steps: int, rounds: int, workdir: str
+) -> dict[str, Any]:
+    """``job_train`` of stalwart async and the two floors in one process, their pairs
+    of segments taking turns (each round in the reverse order of the one before).
+
+    The target compares stalwart's overhead with the floor's; run in separate
+    processes at different times, the floor's own overhead moved from +4% to
+    +20% between runs on a shared host. Here each of stalwart's pairs has the
+    floor's pairs right beside it, on the same model, the same step, the same
+    host moment. One variant's background save is finished before the next
+    variant's segment starts.
+    """
+    (model, opt, state), step, batch = _training_step(state_bytes)
+    root = Path(tempfile.mkdtemp(prefix="train-side-by-side-", dir=workdir))
+    ckpts: dict[str, _Checkpointing] = {}
+    try:
+        for name in SIDE_BY_SIDE:
+            (root / name).mkdir()
+            ckpts[name] = _Checkpointing(name, root / name, model, opt, state, every)
+        segments = {name: _Segments(c, step, every) for name, c in ckpts.items()}
+        for r in range(rounds):
+            for name in SIDE_BY_SIDE if r % 2 == 0 else SIDE_BY_SIDE[::-1]:
+                segments[name].pair(segment_steps)
+        nbytes = state_nbytes(model, opt)
+        return {
+            "variants": {
+                name: s.summary(state_bytes=nbytes, batch=batch, every=every, steps=segment_steps)
+                for name, s in segments.items()
+            },
+            "rounds": rounds,
             "every": every,
-            "segment_steps": segment_steps,
-            "saves": saves,
-            "base_segments_s": base_times,
-            "ckpt_segments_s": ckpt_times,
-            "blocked_segments_s": blocked_times,
-            "save_calls_s": save_calls,
-            "logged_stalls_s": logged_stalls,
         }
-    )
+    finally:
+        for c in ckpts.values():
+            c.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _per_call(fn: Callable[[], object], calls: int, rounds: int) -> float:
@@ -1373,6 +1463,7 @@ JOBS: dict[str, Callable[..., dict[str, Any]]] = {
     "timing": job_timing,
     "isolated": job_isolated,
     "train": job_train,
+    "train_side_by_side": job_train_side_by_side,
     "certificate": job_certificate,
     "per_call": job_per_call,
 }

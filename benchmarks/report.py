@@ -272,6 +272,20 @@ def analyze(results: dict[str, Any]) -> None:
                 percent=True,
             )
         )
+        side = (training or {}).get("side_by_side")
+        apart = ""
+        if _ok(side) and side.get("every") == every:
+            # Side by side in one process (measure.job_train_side_by_side): the target's
+            # two overheads from the same moments of the host.
+            sv = side["variants"]
+            if _ok(sv.get("stalwart_async")) and _ok(sv.get("floor_async")):
+                apart = (
+                    f"; measured side by side in one process, their segments taking turns "
+                    f"({sv['stalwart_async']['rounds']} pairs each); in processes of their own "
+                    f"at other times (the table below): stalwart async {ta['overhead']:+.1%}"
+                    + (f", floor {tf['overhead']:+.1%}" if _ok(tf) else "")
+                )
+                ta, tf, th = sv["stalwart_async"], sv["floor_async"], sv.get("floor_async_xxh3")
         if _ok(tf):
             # The floor's writer thread cannot make the training steps beside it faster:
             # when they measured faster (noise), the floor is at least its blocked time
@@ -299,6 +313,7 @@ def analyze(results: dict[str, Any]) -> None:
                     f"stalwart async {ta['overhead']:+.1%} vs floor (memcpy + raw write thread) "
                     f"{tf['overhead']:+.1%}"
                     + floor_note
+                    + apart
                     + ("" if math.isfinite(x) else "; floor overhead <= 0: no ratio")
                     + (
                         ""
@@ -847,6 +862,14 @@ def _size_section(entry: dict[str, Any], meta: dict[str, Any], add: Any) -> None
             f"{_num(_div(refs['raw_read_warm_s'], warm))} | | {note} |"
         )
 
+    if refs.get("place_cold_s"):
+        timed_row(
+            "*ref: read into the tensors (no check)*",
+            refs["place_cold_s"],
+            refs["place_warm_s"],
+            "floor of any restore: the bytes land in the state's memory, not in one reused "
+            "8 MiB buffer that stays in the CPU's cache as the raw read's do",
+        )
     if refs.get("check_place_cold_s"):
         timed_row(
             "*ref: check, then place (read + xxh3, then read into the tensors)*",
@@ -893,8 +916,16 @@ def _floor_note(refs: dict[str, Any], restore: dict[str, Any]) -> str:
     cold, warm = refs.get("check_place_cold_s"), refs.get("check_place_warm_s")
     if not (cold and warm):
         return ""
+    place = (
+        f"; reading the files into the tensors alone, with no check, is "
+        f"{_num(_div(refs['raw_read_cold_s'], refs['place_cold_s']))}x cold, "
+        f"{_num(_div(refs['raw_read_warm_s'], refs['place_warm_s']))}x warm (the bytes land in "
+        "the state's memory, the raw read's in one reused 8 MiB buffer)"
+        if refs.get("place_cold_s") and refs.get("place_warm_s")
+        else ""
+    )
     return (
-        f"; the floor of any restore that checks every byte before it writes a live tensor "
+        place + f"; the floor of any restore that checks every byte before it writes a live tensor "
         f"(read + xxh3, then read into place) is {_num(_div(refs['raw_read_cold_s'], cold))}x "
         f"cold, {_num(_div(refs['raw_read_warm_s'], warm))}x warm, and this restore takes "
         f"{_num(_div(restore['restore_cold_s'], cold))}x / "
@@ -966,6 +997,32 @@ def _training_section(results: dict[str, Any], add: Any) -> None:
             f"{1 + v['overhead']:.3f} | {v['overhead']:+.1%} | {v['blocked_share']:+.1%} | "
             f"{v['background_share']:+.1%} | {_ms(v['save_call_s'])} ({_ms(v['save_call_max_s'])}) | "
             f"{_ms(v['logged_stall_s'])} |"
+        )
+    add("")
+    side = training.get("side_by_side")
+    if side is None:
+        return  # a run from before this measurement
+    if not _ok(side):
+        add(f"Side by side in one process: failed ({side.get('error', '?')})\n")
+        return
+    add(
+        f"Side by side in one process, checkpoint every {side['every']} steps: stalwart async "
+        "and the floors, each round a pair of segments (without, then with checkpoints) of "
+        "each in turn, the order reversed every round; the target against the physical floor "
+        "is judged on these.\n"
+    )
+    add(
+        "| checkpointing | step (no checkpoints) | saves | overhead | of which blocked in save() "
+        "| of which slower steps beside a background save | pairs |"
+    )
+    add("|---|---|---|---|---|---|---|")
+    for name, v in side["variants"].items():
+        if not _ok(v):
+            add(f"| {TRAIN_NAMES[name]} | error | | {v.get('error', '?')} | | | |")
+            continue
+        add(
+            f"| {TRAIN_NAMES[name]} | {_ms(v['step_s'])} | {v['saves']} | {v['overhead']:+.1%} | "
+            f"{v['blocked_share']:+.1%} | {v['background_share']:+.1%} | {v['rounds']} |"
         )
     add("")
 

@@ -395,10 +395,26 @@ def main(argv: list[str] | None = None) -> int:
                             **train_stats.pooled_train_runs(done[variant]),
                         }
                     )
+            # The target against the physical floor: stalwart async and the floors in one
+            # process, their segments taking turns (measure.job_train_side_by_side).
+            every = (
+                report.TRAIN_FLOOR_EVERY
+                if report.TRAIN_FLOOR_EVERY in args.every
+                else args.every[0]
+            )
+            side_by_side = runner.run(
+                "train_side_by_side",
+                f"stalwart async and the floors side by side, checkpoint every {every} steps",
+                state_bytes=args.train_size,
+                every=every,
+                segment_steps=args.segment_saves * every,
+                rounds=args.rounds * args.passes,
+            )
             results["training"] = {
                 "requested_bytes": args.train_size,
                 "threads": args.threads,
                 "runs": runs,
+                "side_by_side": side_by_side,
             }
         print("exact-resume certificate:", file=sys.stderr, flush=True)
         results["certificate"] = runner.run("certificate", "fingerprint cost per step")

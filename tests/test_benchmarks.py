@@ -33,6 +33,10 @@ REFERENCES = (
     "raw_write_s",
     "raw_read_cold_s",
     "raw_read_warm_s",
+    "place_cold_s",
+    "place_warm_s",
+    "check_place_cold_s",
+    "check_place_warm_s",
 )
 TRAIN_VARIANTS = ("stalwart_sync", "stalwart_async", "torch_save")
 DURABLE_BACKENDS = ("obstore", "fsspec")
@@ -172,6 +176,18 @@ def test_quick_mode_measures_the_training_loop(quick_run: tuple[Path, dict]) -> 
     for run in runs:
         assert "error" not in run, f"{run['variant']}: {run.get('error')}"
         assert positive(run["base_s"]) and positive(run["ckpt_s"]) and run["saves"] > 0, run
+    side = results["training"]["side_by_side"]
+    assert "error" not in side, side.get("error")
+    assert side["every"] == 5 and set(side["variants"]) == {
+        "stalwart_async",
+        "floor_async",
+        "floor_async_xxh3",
+    }
+    for name, run in side["variants"].items():
+        assert positive(run["base_s"]) and run["saves"] > 0, (name, run)
+        assert run["rounds"] == side["rounds"] >= 2 and math.isfinite(run["overhead"]), (name, run)
+    # Each variant's saves are its own: stalwart's manager committed its checkpoints.
+    assert side["variants"]["stalwart_async"]["logged_stalls_s"], side
 
 
 @pytest.mark.slow
@@ -532,20 +548,23 @@ def bench_report() -> Any:
 
 
 def floor_row(
-    async_run: dict[str, float], floor_run: dict[str, float], every: int = 5
+    async_run: dict[str, float],
+    floor_run: dict[str, float],
+    every: int = 5,
+    side_by_side: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The "physical floor" target of one training row (stalwart async vs the floor)."""
     run = {"every": every, "bytes": 64 * 2**20, "step_s": 0.04}
-    results: dict[str, Any] = {
-        "sizes": [],
-        "training": {
-            "runs": [
-                {**run, "variant": "stalwart_async", **async_run},
-                {**run, "variant": "torch_save", "overhead": 0.6},
-                {**run, "variant": "floor_async", **floor_run},
-            ]
-        },
+    training: dict[str, Any] = {
+        "runs": [
+            {**run, "variant": "stalwart_async", **async_run},
+            {**run, "variant": "torch_save", "overhead": 0.6},
+            {**run, "variant": "floor_async", **floor_run},
+        ]
     }
+    if side_by_side is not None:
+        training["side_by_side"] = side_by_side
+    results: dict[str, Any] = {"sizes": [], "training": training}
     bench_report().analyze(results)
     (row,) = [t for t in results["targets"] if "physical floor" in t["target"]]
     return row
@@ -558,6 +577,36 @@ def test_the_floor_target_is_reported_even_when_the_floor_costs_nothing(
     async_run = {"overhead": 0.03, "blocked_share": 0.01, "background_share": 0.02}
     row = floor_row(async_run, {"overhead": floor})
     assert row["status"] == status, row
+
+
+def test_the_floor_target_is_judged_on_the_side_by_side_run_when_there_is_one() -> None:
+    """The two overheads it compares come from the same moments of the host."""
+    apart_async = {"overhead": 0.18, "blocked_share": 0.08, "background_share": 0.10}
+    apart_floor = {"overhead": 0.06, "blocked_share": 0.05, "background_share": 0.01}
+    side = {
+        "every": 5,
+        "rounds": 8,
+        "variants": {
+            "stalwart_async": {"overhead": 0.20, "blocked_share": 0.1, "rounds": 8, "bytes": 2**26},
+            "floor_async": {"overhead": 0.125, "blocked_share": 0.08, "rounds": 8, "bytes": 2**26},
+            "floor_async_xxh3": {
+                "overhead": 0.16,
+                "blocked_share": 0.08,
+                "rounds": 8,
+                "bytes": 2**26,
+            },
+        },
+    }
+    row = floor_row(apart_async, apart_floor, side_by_side=side)
+    assert row["value"] == pytest.approx(0.20 / 0.125) and row["status"] == "PASS", row
+    assert "side by side in one process" in row["detail"], row
+    assert "stalwart async +18.0%, floor +6.0%" in row["detail"], row  # the other rows, told
+    assert "hashes every byte (as a checksummed save must) +16.0%, 1.25x" in row["detail"], row
+    # Without it (or when it failed, or at another interval), the separate runs decide.
+    for other in (None, {"error": "timed out"}, {**side, "every": 20}):
+        row = floor_row(apart_async, apart_floor, side_by_side=other)
+        assert row["value"] == pytest.approx(3.0) and row["status"] == "MISS", (other, row)
+        assert "side by side" not in row["detail"], row
 
 
 @pytest.mark.parametrize(
@@ -574,9 +623,12 @@ def test_a_floor_whose_background_measured_negative_counts_at_least_its_blocked_
     assert ("taken as its blocked time alone" in row["detail"]) == (total < blocked)
 
 
-def restore_rows(restore: dict[str, float]) -> dict[str, dict[str, Any]]:
+def restore_rows(
+    restore: dict[str, float], floors: dict[str, float] | None = None
+) -> dict[str, dict[str, Any]]:
     """The restore targets of one size whose raw read took 100 ms cold, 50 ms warm."""
     refs = {
+        **(floors or {}),
         "memcpy_s": 0.01,
         "raw_write_s": 0.1,
         "raw_write_cpu_s": 0.03,
@@ -620,6 +672,30 @@ def test_the_restore_target_holds_only_when_every_case_does(
     assert row["value"] == pytest.approx(min(0.1 / 0.11, 0.05 / fresh_warm))
     memory = rows["restore's peak extra memory <= one checkpoint's size"]
     assert memory["status"] == "MISS" and memory["value"] == pytest.approx(70 / 64), memory
+
+
+def test_the_restore_target_names_the_floor_of_placing_the_bytes_and_of_checking_first() -> None:
+    """A miss is told against what bounds it: the read into the tensors, then the check."""
+    restore = {
+        "restore_cold_s": 0.2,
+        "restore_warm_s": 0.1,
+        "restore_peak_rss_mib": 8.0,
+    }
+    floors = {
+        "place_cold_s": 0.125,  # 0.8x cold
+        "place_warm_s": 0.1,  # 0.5x warm
+        "check_place_cold_s": 0.16,
+        "check_place_warm_s": 0.08,
+    }
+    detail = restore_rows(restore, floors)["restore (verified) >= 0.8x raw read"]["detail"]
+    assert "reading the files into the tensors alone, with no check, is 0.80x cold, 0.50x warm" in (
+        detail
+    ), detail
+    assert "(read + xxh3, then read into place) is 0.62x cold, 0.62x warm" in detail, detail
+    assert "this restore takes 1.25x / 1.25x the floor's time" in detail, detail
+    # Without the new reference (a run from before it), the detail is as it was.
+    old = restore_rows(restore)["restore (verified) >= 0.8x raw read"]["detail"]
+    assert "into the tensors alone" not in old and old.startswith("worst case"), old
 
 
 def bench_train_stats() -> Any:
