@@ -1271,7 +1271,7 @@ def job_train_side_by_side(
     of segments taking turns (each round in the reverse order of the one before).
 
     The target compares stalwart's overhead with the floor's; run in separate
-    processes at different times, the floor's own overhead moved from +4% to
+    processes at different times, the floor's own overhead moved from +7% to
     +20% between runs on a shared host. Here each of stalwart's pairs has the
     floor's pairs right beside it, on the same model, the same step, the same
     host moment. One variant's background save is finished before the next
