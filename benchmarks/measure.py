@@ -343,9 +343,17 @@ class References:
         finally:
             path.unlink(missing_ok=True)
 
-    def read(self, path: Path, *, cold: bool) -> float:
+    def _drop_if_cold(self, path: Path, cold: bool) -> None:
         if cold:
             self.page_cache_drop = drop_page_cache(path) and self.page_cache_drop
+
+    def _into_buffers(self, f: Any) -> None:
+        """Read ``f`` from its position on into ``self.buffers``, one after the other."""
+        for b in self.buffers:
+            f.readinto(memoryview(b.reshape(-1).view(torch.uint8).numpy()))
+
+    def read(self, path: Path, *, cold: bool) -> float:
+        self._drop_if_cold(path, cold)
         t0 = time.perf_counter()
         with open(path, "rb", buffering=0) as f:
             while f.readinto(self.readbuf):
@@ -360,12 +368,10 @@ class References:
         reused 8 MiB buffer that stays in the CPU's cache. No check, no
         metadata: what a restore cannot do without.
         """
-        if cold:
-            self.page_cache_drop = drop_page_cache(path) and self.page_cache_drop
+        self._drop_if_cold(path, cold)
         t0 = time.perf_counter()
         with open(path, "rb", buffering=0) as f:
-            for b in self.buffers:
-                f.readinto(memoryview(b.reshape(-1).view(torch.uint8).numpy()))
+            self._into_buffers(f)
         return time.perf_counter() - t0
 
     def check_then_place(self, path: Path, *, cold: bool) -> float:
@@ -379,8 +385,7 @@ class References:
         """
         import xxhash
 
-        if cold:
-            self.page_cache_drop = drop_page_cache(path) and self.page_cache_drop
+        self._drop_if_cold(path, cold)
         t0 = time.perf_counter()
         digest = xxhash.xxh3_128()
         chunk = memoryview(self.readbuf)
@@ -389,8 +394,7 @@ class References:
                 digest.update(chunk[:n])
             digest.hexdigest()
             f.seek(0)
-            for b in self.buffers:
-                f.readinto(memoryview(b.reshape(-1).view(torch.uint8).numpy()))
+            self._into_buffers(f)
         return time.perf_counter() - t0
 
 

@@ -272,11 +272,12 @@ def analyze(results: dict[str, Any]) -> None:
                 percent=True,
             )
         )
-        side = (training or {}).get("side_by_side")
+        side = training.get("side_by_side")
         apart = ""
         if _ok(side) and side.get("every") == every:
             # Side by side in one process (measure.job_train_side_by_side): the target's
-            # two overheads from the same moments of the host.
+            # two overheads from the same moments of the host. From here on ta, tf and th
+            # are that run's; the separate runs' figures are told in the note only.
             sv = side["variants"]
             if _ok(sv.get("stalwart_async")) and _ok(sv.get("floor_async")):
                 apart = (

@@ -397,17 +397,17 @@ def main(argv: list[str] | None = None) -> int:
                     )
             # The target against the physical floor: stalwart async and the floors in one
             # process, their segments taking turns (measure.job_train_side_by_side).
-            every = (
+            floor_every = (
                 report.TRAIN_FLOOR_EVERY
                 if report.TRAIN_FLOOR_EVERY in args.every
                 else args.every[0]
             )
             side_by_side = runner.run(
                 "train_side_by_side",
-                f"stalwart async and the floors side by side, checkpoint every {every} steps",
+                f"stalwart async and the floors side by side, checkpoint every {floor_every} steps",
                 state_bytes=args.train_size,
-                every=every,
-                segment_steps=args.segment_saves * every,
+                every=floor_every,
+                segment_steps=args.segment_saves * floor_every,
                 rounds=args.rounds * args.passes,
             )
             results["training"] = {

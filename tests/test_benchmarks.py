@@ -609,6 +609,50 @@ def test_the_floor_target_is_judged_on_the_side_by_side_run_when_there_is_one() 
         assert "side by side" not in row["detail"], row
 
 
+def test_the_training_section_shows_the_side_by_side_run_or_says_it_failed() -> None:
+    run = {
+        "every": 5,
+        "bytes": 2**26,
+        "batch": 8,
+        "threads": 1,
+        "rounds": 8,
+        "step_s": 0.023,
+        "saves": 32,
+        "overhead": 0.2,
+        "blocked_share": 0.1,
+        "background_share": 0.1,
+        "save_call_s": 0.009,
+        "save_call_max_s": 0.011,
+        "logged_stall_s": 0.008,
+    }
+    side = {
+        "every": 5,
+        "rounds": 8,
+        "variants": {
+            "stalwart_async": {**run, "overhead": 0.195},
+            "floor_async": {**run, "overhead": 0.12},
+            "floor_async_xxh3": {"error": "timed out"},
+        },
+    }
+
+    def section(side_by_side: dict[str, Any] | None) -> str:
+        training: dict[str, Any] = {"runs": [{**run, "variant": "stalwart_async"}]}
+        if side_by_side is not None:
+            training["side_by_side"] = side_by_side
+        lines: list[str] = []
+        bench_report()._training_section({"training": training}, lines.append)
+        return "\n".join(lines)
+
+    shown = section(side)
+    assert "Side by side in one process, checkpoint every 5 steps" in shown, shown
+    assert "| stalwart async | 23.0 ms | 32 | +19.5% | +10.0% | +10.0% | 8 |" in shown, shown
+    assert "| *ref: memcpy + raw write in a thread (async floor)* | 23.0 ms | 32 | +12.0%" in shown
+    assert "hashing every byte as it writes (floor with checksum)* | error | | timed out" in shown
+    failed = section({"error": "process exited with code 1"})
+    assert "Side by side in one process: failed (process exited with code 1)" in failed, failed
+    assert "Side by side" not in section(None)  # a run from before this measurement
+
+
 @pytest.mark.parametrize(
     ("total", "blocked", "ratio"), [(0.001, 0.05, 0.3 / 0.05), (0.06, 0.05, 0.3 / 0.06)]
 )
