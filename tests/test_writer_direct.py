@@ -217,17 +217,16 @@ def count_direct_bytes(
     """Bytes of data each data file sent past the page cache, by the name of its folder
     (the record framing sent along with them goes to ``framing``)."""
     direct: dict[str, int] = {}
-    finish = hashed_file.HashedFile.finish
+    sync = hashed_file.HashedFile.sync
 
-    def counting_finish(self: hashed_file.HashedFile):  # type: ignore[no-untyped-def]
-        entry = finish(self)
+    def counting_sync(self: hashed_file.HashedFile) -> None:
+        sync(self)  # the last direct write ended before the fsync
         if self.path.suffix == ".distcp":
             direct[self.path.parent.name] = self.direct_bytes - self.framing_bytes
             if framing is not None:
                 framing[self.path.parent.name] = self.framing_bytes
-        return entry
 
-    monkeypatch.setattr(hashed_file.HashedFile, "finish", counting_finish)
+    monkeypatch.setattr(hashed_file.HashedFile, "sync", counting_sync)
     return direct
 
 

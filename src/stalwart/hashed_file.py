@@ -6,7 +6,8 @@ kernel in ``writev`` calls of up to 16 MiB at explicit offsets, with a
 write-back hint after each batch (``sync_file_range``, Linux); the whole pages
 of a large page-aligned buffer can go to the disk with ``O_DIRECT`` straight
 from where they are (``add_direct``: consecutive ones in one ``writev`` with
-the framing between them copied into frame pages), and a packed file's
+the framing between them copied into frame pages, on a thread of its own
+while the caller goes on), and a packed file's
 buffers through reused page-aligned bounce buffers (``pack``), falling back
 to the page cache where the filesystem refuses direct I/O. ``sync`` fsyncs on the descriptor that wrote, so a write-back
 error is reported to it; every OSError names the file. ``Task`` runs a
@@ -81,6 +82,20 @@ class Task:
 
 _WRITERS = Workers("stalwart-writer", 8)
 """Writer threads of every save of the process (one per file written and its fsync)."""
+_DIRECT_WRITERS = Workers("stalwart-direct", 8)
+"""Threads of the gathered direct writes (``HashedFile._flush_gather``), at most one
+in flight per file."""
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """``pwrite`` all of ``view`` at ``offset`` (positional: the file's offset is the
+    writer thread's, ``write_at``)."""
+    done = 0
+    while done < view.nbytes:
+        written = os.pwrite(fd, view[done:], offset + done)
+        if written <= 0:
+            raise OSError(errno.EIO, "write wrote nothing")
+        done += written
 
 
 class HashedFile:
@@ -92,8 +107,9 @@ class HashedFile:
     too: no faster here, and up to 3x the CPU time on 2 cores; only direct
     writes from bounce buffers, see ``pack``, have a thread of their own.) ``finish``
     writes what is queued and returns the file's manifest entry; ``sync``
-    fsyncs and closes it (on the same descriptor, so that a write-back error
-    is reported to it). OSErrors name the file.
+    waits for the last direct write, fsyncs and closes the file (on the same
+    descriptor, so that a write-back error is reported to it). OSErrors name
+    the file.
     """
 
     def __init__(self, path: Path) -> None:
@@ -122,8 +138,12 @@ class HashedFile:
         self._gather_at = 0
         self._gather_bytes = 0
         self._frames: memoryview | None = None
+        self._frames_busy: memoryview | None = None
+        """The frame pages of the gathered write in flight (``_writing``), if any."""
         self._frame_lease: contextlib.ExitStack | None = None
         self._frames_used = 0
+        self._writing: Future[None] | None = None
+        """The gathered direct write in flight on a ``_DIRECT_WRITERS`` thread, if any."""
         self._abandoning = threading.Lock()
         """``abandon`` can run in two threads at once: a file's fsync task ends with
         it, and the writer's cleanup calls it for a file whose task it never saw
@@ -140,7 +160,7 @@ class HashedFile:
 
     @property
     def direct_bytes(self) -> int:
-        """Bytes written with O_DIRECT, past the page cache (complete after ``finish``)."""
+        """Bytes written with O_DIRECT, past the page cache (complete once ``sync`` returned)."""
         return self._direct_done + self._bounced_done
 
     def pack(self) -> bool:
@@ -165,6 +185,7 @@ class HashedFile:
         except OSError:  # no memory map left: the page cache, as without packing
             return False
         self._flush_gather()
+        self._wait_gathered()  # packed writes use the direct descriptor from here
         self.flush()
         self._packing = True
         return True
@@ -204,10 +225,10 @@ class HashedFile:
         page-aligned end of file; False (nothing done) otherwise or where the
         filesystem refuses direct I/O, and the caller adds it buffered instead.
         The view goes to the disk from where it is, with the views before and
-        after it that are consecutive in the file (``_gather_direct``), by
-        ``finish`` at the latest; in a packed file, at once, after the packed
-        bytes before it. The view must stay unchanged until ``finish`` (as
-        ``add``'s buffers).
+        after it that are consecutive in the file (``_gather_direct``), in a
+        write started by ``finish`` at the latest and waited for by ``sync``;
+        in a packed file, at once, after the packed bytes before it. The view
+        must stay unchanged until ``sync`` returned (or ``abandon``).
         """
         n = view.nbytes
         if (
@@ -275,12 +296,12 @@ class HashedFile:
         if run_at != start or self._last_run_bytes != length:
             return None
         if self._frames is None:
-            lease = contextlib.ExitStack()
+            if self._frame_lease is None:
+                self._frame_lease = contextlib.ExitStack()
             try:
-                self._frames = lease.enter_context(FRAME_POOL.lease())
+                self._frames = self._frame_lease.enter_context(FRAME_POOL.lease())
             except OSError:  # no memory map left: these bytes go through the page cache
                 return None
-            self._frame_lease = lease
         if self._frames_used + length > self._frames.nbytes:
             return None
         dest = self._frames[self._frames_used : self._frames_used + length]
@@ -297,19 +318,44 @@ class HashedFile:
         return dest
 
     def _flush_gather(self) -> None:
-        """Write the queued direct pieces in one direct ``writev`` (buffered where the
-        filesystem refuses direct I/O); the frame pages are free again after it."""
+        """Start the queued direct pieces' write, one direct ``writev`` on a
+        ``_DIRECT_WRITERS`` thread (buffered where the filesystem refuses direct
+        I/O), once the write before it ended: the caller prepares and hashes the
+        next pieces meanwhile. The frame pages it copies go with it, and the
+        next pieces get the other set (``_frames_busy``)."""
         if not self._gather:
             return
-        pieces, at, total = self._gather, self._gather_at, self._gather_bytes
+        pieces, at = self._gather, self._gather_at
         self._gather, self._gather_bytes = [], 0
+        self._wait_gathered()
+        self._writing = _DIRECT_WRITERS.submit(self._write_gathered, pieces, at)
+        self._frames, self._frames_busy = self._frames_busy, self._frames
+        self._frames_used = 0
+
+    def _wait_gathered(self, *, raise_error: bool = True) -> None:
+        """Wait for the gathered write in flight, if any; raise its error (``raise_error``).
+
+        It counts as in flight until the wait ended: an interrupt raised into
+        the waiting thread leaves it for the next wait (``abandon`` closes no
+        descriptor under a write)."""
+        writing = self._writing
+        if writing is not None:
+            error = writing.exception()
+            self._writing = None
+            if error is not None and raise_error:
+                raise error
+
+    def _write_gathered(self, pieces: list[memoryview], at: int) -> None:
+        """On a ``_DIRECT_WRITERS`` thread: ``pieces`` at ``at``, direct, the rest buffered
+        (positional writes only: the caller's thread seeks ``fd``)."""
         fd = self._direct_fd
         with self._naming_errors():
-            done = self._write_direct_many(fd, pieces, at) if fd is not None else 0
-            if done < total:
-                write_at(self.fd, after(pieces, done), at + done)
-        self._direct_done += done
-        self._frames_used = 0
+            direct = self._write_direct_many(fd, pieces, at) if fd is not None else 0
+            done = direct
+            for piece in after(pieces, direct):
+                _pwrite_all(self.fd, piece, at + done)
+                done += piece.nbytes
+        self._direct_done += direct
 
     def _write_direct_many(self, fd: int, pieces: list[memoryview], offset: int) -> int:
         """``_write_direct`` of consecutive page-aligned ``pieces`` with ``writev``."""
@@ -366,11 +412,7 @@ class HashedFile:
             fd = self._direct_fd
             done = self._write_direct(fd, piece, offset) if fd is not None else 0
             self._bounced_done += done
-            while done < piece.nbytes:
-                written = os.pwrite(self.fd, piece[done:], offset + done)
-                if written <= 0:
-                    raise OSError(errno.EIO, "write wrote nothing")
-                done += written
+            _pwrite_all(self.fd, piece[done:], offset + done)
 
     def _drain(self, *, raise_first: bool = True) -> None:
         """Wait for every bounced write, then raise the first error (``raise_first``)."""
@@ -487,7 +529,11 @@ class HashedFile:
         start_write_back(self.fd, start, self.size - start)
 
     def finish(self) -> FileEntry:
-        """Write what is queued: the file's entry (size, xxh3-128); not yet durable."""
+        """Write what is queued: the file's entry (size, xxh3-128); not yet durable.
+
+        The last gathered direct write may still be in flight: ``sync`` waits
+        for it (and raises its error) before the fsync, so that the writes of
+        ``.metadata`` and the commit's preparation overlap it."""
         self._flush_gather()
         tail = self._submit_fill()
         self._drain()  # first: the file's writes end in one order, whatever the threads did
@@ -500,6 +546,7 @@ class HashedFile:
     def sync(self) -> None:
         """fsync and close: the file is durable once this returns."""
         try:
+            self._wait_gathered()
             with self._naming_errors():
                 os.fsync(self.fd)
         finally:
@@ -510,7 +557,8 @@ class HashedFile:
         to call from two threads at once."""
         with self._abandoning:
             self._gather, self._gather_bytes = [], 0  # never written: the file is abandoned
-            self._frames = None
+            self._wait_gathered(raise_error=False)  # its frame pages and descriptors in use
+            self._frames = self._frames_busy = None
             if self._frame_lease is not None:
                 self._frame_lease.close()  # the frame pages back to the pool
                 self._frame_lease = None

@@ -38,7 +38,10 @@ working; what changes is how the bytes reach the disk:
   and 452 ms against 495 of wall time. Consecutive such records go out in
   one direct write of up to 8 MiB, the framing pages between them copied
   along (``HashedFile.add_direct``): O_DIRECT costs CPU per call more than
-  per byte (64 MiB in 1.3 MB writes: 12 ms; in 8 MiB ones: 5 ms). In a save
+  per byte (64 MiB in 1.3 MB writes: 12 ms; in 8 MiB ones: 5 ms). Each such
+  write runs on a thread of its own while the caller prepares and hashes the
+  next one's records, and the file's fsync waits for the last, so that
+  ``.metadata`` is written meanwhile (``HashedFile._flush_gather``). In a save
   written in the background (async), once 1 MiB of tensor records went
   through the page cache, the rest of the file is packed
   (``HashedFile.pack``): every later record that does not go direct by

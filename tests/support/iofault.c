@@ -46,6 +46,9 @@ static char g_dir[PATH_MAX];
 static size_t g_dirlen;
 static volatile int g_armed;
 static long g_fail_at;
+static long long g_match_offset = -1; /* iofault_match: fail the write at this offset... */
+static long long g_match_size = -1;   /* ...of this size (-1: numbered calls instead) */
+static int g_match_hit;
 static int g_persistent;
 static int g_errno;
 static long g_count;
@@ -123,6 +126,8 @@ int iofault_arm(const char *dir, long fail_at, int err, const char *log_path, in
     g_dirlen = n;
     __atomic_store_n(&g_count, 0, __ATOMIC_SEQ_CST);
     g_fail_at = fail_at;
+    g_match_offset = g_match_size = -1;
+    g_match_hit = 0;
     g_persistent = persistent;
     g_errno = err;
     g_failed_op[0] = 0;
@@ -142,6 +147,20 @@ int iofault_arm(const char *dir, long fail_at, int err, const char *log_path, in
     pthread_mutex_unlock(&g_log_lock);
     t_busy--;
     return rc;
+}
+
+/* After iofault_arm: fail the first watched write of `size` bytes at `offset` instead of
+ * call number `fail_at` (and every later call, when armed `persistent`): the same call
+ * whichever thread makes it, and whatever other threads do meanwhile. */
+int iofault_match(long long offset, long long size) {
+    t_busy++;
+    pthread_mutex_lock(&g_log_lock);
+    g_match_offset = offset;
+    g_match_size = size;
+    g_match_hit = 0;
+    pthread_mutex_unlock(&g_log_lock);
+    t_busy--;
+    return 0;
 }
 
 /* Stop watching; returns how many watched calls were made since iofault_arm. */
@@ -217,9 +236,18 @@ static unsigned long path_ino(const char *path) {
     return path && lstat(path, &st) == 0 ? (unsigned long)st.st_ino : 0;
 }
 
-/* Number this watched call; returns nonzero when it is the one to fail. */
-static int next_call(const char *op, const char *path) {
+/* Number this watched call (a write's `offset` and `size`, else -1); returns nonzero when
+ * it is the one to fail. */
+static int next_call(const char *op, const char *path, long long offset, long long size) {
     long n = __atomic_add_fetch(&g_count, 1, __ATOMIC_SEQ_CST);
+    if (g_match_offset >= 0) {
+        if (strcmp(op, "write") == 0 && offset == g_match_offset && size == g_match_size
+            && __atomic_exchange_n(&g_match_hit, 1, __ATOMIC_SEQ_CST) == 0) {
+            snprintf(g_failed_op, sizeof g_failed_op, "%s %s", op, path ? path : "?");
+            return 1;
+        }
+        return g_persistent && __atomic_load_n(&g_match_hit, __ATOMIC_SEQ_CST);
+    }
     if (g_fail_at > 0 && n == g_fail_at) {
         snprintf(g_failed_op, sizeof g_failed_op, "%s %s", op, path ? path : "?");
         return 1;
@@ -260,7 +288,7 @@ static int opened(const char *op, const char *abspath, int fd) {
     const char *abs_ = (g_armed && !t_busy) ? resolve_at(dirfd, path, buf_, sizeof buf_) : NULL; \
     if (abs_ && under_dir(abs_)) {                                                 \
         t_busy++;                                                                  \
-        if (next_call(opname, abs_)) {                                             \
+        if (next_call(opname, abs_, -1, -1)) {                                     \
             t_busy--;                                                              \
             errno = g_errno;                                                       \
             return -1;                                                             \
@@ -349,7 +377,7 @@ int creat64(const char *path, mode_t mode) {
     const char *abs_ = (g_armed && !t_busy) ? resolve_at(AT_FDCWD, path, buf_, sizeof buf_) : NULL; \
     if (abs_ && under_dir(abs_)) {                                                 \
         t_busy++;                                                                  \
-        if (next_call("open", abs_)) {                                             \
+        if (next_call("open", abs_, -1, -1)) {                                     \
             t_busy--;                                                              \
             errno = g_errno;                                                       \
             return NULL;                                                           \
@@ -382,7 +410,7 @@ FILE *fopen64(const char *path, const char *mode) {
     char path_[PATH_MAX];                                                          \
     fd_path(fd, path_, sizeof path_);                                              \
     long long off_ = (offset_expr);                                                \
-    if (next_call(opname, path_)) {                                                \
+    if (next_call(opname, path_, off_, (long long)(size_expr))) {                  \
         if (g_log_fd >= 0) log_call(opname "!", fd_ino(fd), path_, NULL, off_, (long long)(size_expr), -1); \
         t_busy--;                                                                  \
         errno = g_errno;                                                           \
@@ -497,7 +525,7 @@ int close(int fd) {
     fd_path(fd, path_, sizeof path_);
     unsigned long ino = fd_ino(fd);
     watch_fd(fd, 0);
-    if (next_call("close", path_)) {
+    if (next_call("close", path_, -1, -1)) {
         if (g_log_fd >= 0) log_call("close!", ino, path_, NULL, -1, 0, -1);
         close_failing(fd);
         t_busy--;
@@ -544,7 +572,7 @@ int fclose(FILE *stream) {
     fd_path(fd, path_, sizeof path_);
     unsigned long ino = fd_ino(fd);
     watch_fd(fd, 0);
-    if (next_call("close", path_)) {
+    if (next_call("close", path_, -1, -1)) {
         if (g_log_fd >= 0) log_call("close!", ino, path_, NULL, -1, 0, -1);
         REAL(fclose)(stream);
         t_busy--;
@@ -589,7 +617,7 @@ ssize_t copy_file_range(int in_fd, off_t *in_off, int out_fd, off_t *out_off, si
     if (t_busy || !g_armed || !(under_dir(abs1) || under_dir(abs2))) return call;  \
     t_busy++;                                                                      \
     unsigned long ino_ = path_ino(abs1);                                           \
-    if (next_call(opname, abs1)) {                                                 \
+    if (next_call(opname, abs1, -1, -1)) {                                         \
         if (g_log_fd >= 0) log_call(opname "!", ino_, abs1, abs2, -1, -1, -1);     \
         t_busy--;                                                                  \
         errno = g_errno;                                                           \

@@ -81,6 +81,8 @@ class Shim:
             ctypes.c_int,
         ]
         lib.iofault_arm.restype = ctypes.c_int
+        lib.iofault_match.argtypes = [ctypes.c_longlong, ctypes.c_longlong]
+        lib.iofault_match.restype = ctypes.c_int
         lib.iofault_disarm.restype = ctypes.c_long
         lib.iofault_count.restype = ctypes.c_long
         lib.iofault_failed_op.restype = ctypes.c_char_p
@@ -94,13 +96,21 @@ class Shim:
         errno: int = 0,
         log: Path | None = None,
         persistent: bool = False,
+        write_at: tuple[int, int] | None = None,
     ) -> None:
         """Number the calls under ``directory`` from 1; fail call ``fail_at`` (0: none) with
-        ``errno``, and every later one too when ``persistent`` (a disk that stays full)."""
+        ``errno``, and every later one too when ``persistent`` (a disk that stays full).
+
+        ``write_at=(offset, size)``: fail the first write of ``size`` bytes at ``offset``
+        instead of a numbered call. The numbers of calls made by several threads at once
+        change from run to run; the write a recording run logged at an offset does not.
+        """
         log_arg = None if log is None else os.fsencode(log)
         code = self._lib.iofault_arm(os.fsencode(directory), fail_at, errno, log_arg, persistent)
         if code != 0:
             raise OSError(f"iofault: cannot open the log {log}")
+        if write_at is not None:
+            self._lib.iofault_match(*write_at)
 
     def disarm(self) -> int:
         """Stop counting; returns the number of calls made since ``arm``."""
