@@ -531,9 +531,10 @@ class HashedFile:
     def finish(self) -> FileEntry:
         """Write what is queued: the file's entry (size, xxh3-128); not yet durable.
 
-        The last gathered direct write may still be in flight: ``sync`` waits
-        for it (and raises its error) before the fsync, so that the writes of
-        ``.metadata`` and the commit's preparation overlap it."""
+        The last gathered direct write may still be in flight when this returns:
+        ``sync`` waits for it (and raises its error) before the fsync. Queued
+        buffered bytes, written here, wait for it anyway where the filesystem
+        holds the file's lock for a direct write that extends it (ext4)."""
         self._flush_gather()
         tail = self._submit_fill()
         self._drain()  # first: the file's writes end in one order, whatever the threads did
