@@ -112,8 +112,12 @@ class HashedFile:
     the file.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, overlap: bool = True) -> None:
+        """``overlap``: gathered direct writes run on a thread of their own while the
+        caller goes on (``_flush_gather``); False: in the caller's thread, which
+        costs less CPU time (a save in the background, which nobody waits for)."""
         self.path = path
+        self.overlap = overlap
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         self.hash = xxhash.xxh3_128()
         self.size = 0
@@ -318,16 +322,21 @@ class HashedFile:
         return dest
 
     def _flush_gather(self) -> None:
-        """Start the queued direct pieces' write, one direct ``writev`` on a
-        ``_DIRECT_WRITERS`` thread (buffered where the filesystem refuses direct
-        I/O), once the write before it ended: the caller prepares and hashes the
-        next pieces meanwhile. The frame pages it copies go with it, and the
-        next pieces get the other set (``_frames_busy``)."""
+        """Write the queued direct pieces in one direct ``writev`` (buffered where the
+        filesystem refuses direct I/O); with ``overlap``, start it on a
+        ``_DIRECT_WRITERS`` thread once the write before it ended, and the
+        caller prepares and hashes the next pieces meanwhile. The frame pages
+        it copies go with it, and the next pieces get the other set
+        (``_frames_busy``)."""
         if not self._gather:
             return
         pieces, at = self._gather, self._gather_at
         self._gather, self._gather_bytes = [], 0
         self._wait_gathered()
+        if not self.overlap:
+            self._write_gathered(pieces, at)
+            self._frames_used = 0
+            return
         self._writing = _DIRECT_WRITERS.submit(self._write_gathered, pieces, at)
         self._frames, self._frames_busy = self._frames_busy, self._frames
         self._frames_used = 0
@@ -346,8 +355,8 @@ class HashedFile:
                 raise error
 
     def _write_gathered(self, pieces: list[memoryview], at: int) -> None:
-        """On a ``_DIRECT_WRITERS`` thread: ``pieces`` at ``at``, direct, the rest buffered
-        (positional writes only: the caller's thread seeks ``fd``)."""
+        """``pieces`` at ``at``, direct, the rest buffered; on a ``_DIRECT_WRITERS`` thread
+        with ``overlap`` (positional writes only: the caller's thread seeks ``fd``)."""
         fd = self._direct_fd
         with self._naming_errors():
             direct = self._write_direct_many(fd, pieces, at) if fd is not None else 0

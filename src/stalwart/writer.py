@@ -38,16 +38,20 @@ working; what changes is how the bytes reach the disk:
   and 452 ms against 495 of wall time. Consecutive such records go out in
   one direct write of up to 8 MiB, the framing pages between them copied
   along (``HashedFile.add_direct``): O_DIRECT costs CPU per call more than
-  per byte (64 MiB in 1.3 MB writes: 12 ms; in 8 MiB ones: 5 ms). Each such
-  write runs on a thread of its own while the caller prepares and hashes the
-  next one's records, and the file's fsync waits for the last
-  (``HashedFile._flush_gather``): a sync save of the 64 MiB benchmark state
+  per byte (64 MiB in 1.3 MB writes: 12 ms; in 8 MiB ones: 5 ms).
+- Each such write of a synchronous save, which training waits for, runs on
+  a thread of its own while the caller prepares and hashes the next one's
+  records, and the file's fsync waits for the last
+  (``HashedFile._flush_gather``). A sync save of the 64 MiB benchmark state
   keeps the disk writing from 4.5 ms after the save began, with 1.4 ms of
   gaps in all between its 7 writes; alternately with the writes in the
   caller's thread, 12 saves each, twice: median 44.4 ms against 48.5, and
-  43.8 against 44.2. In a save
-  written in the background (async), once 1 MiB of tensor records went
-  through the page cache, the rest of the file is packed
+  43.8 against 44.2. A save in the background writes them from its own
+  thread, which costs less CPU time (async saves of the same state
+  alternately with threaded writes, 16 each, twice: median 22.6 ms of CPU
+  against 24.0, and 24.3 against 24.7).
+- In a save written in the background (async), once 1 MiB of tensor
+  records went through the page cache, the rest of the file is packed
   (``HashedFile.pack``): every later record that does not go direct by
   itself, however small, is copied end to end into reused page-aligned
   bounce buffers, written by the file's I/O thread, and goes direct too, all
@@ -146,7 +150,7 @@ def _write_file(
     """
     results: list[WriteResult] = []
     kept = None if records is None else PreparedRecords()
-    out = HashedFile(path)
+    out = HashedFile(path, overlap=not pack)  # a save in the background spares CPU instead
     try:
         packed = False
         may_pack = pack  # until packing was tried

@@ -45,7 +45,12 @@ live = {
 }
 # Packed: the small record first, so that packing starts at once (_PACK_AFTER = 0).
 packed = {"small": live["small"]} | {k: v for k, v in live.items() if k != "small"}
-sources = {"staged": StagingArea().stage(live), "live": live, "packed": packed}
+staged = StagingArea().stage(live)
+# "background": the staged state saved as a save in the background writes it (pack
+# allowed, but no small record before the large ones): its gathered direct writes
+# are made by the saving thread itself, not by a thread of their own.
+sources = {"staged": staged, "live": live, "packed": packed, "background": staged}
+in_background = ("packed", "background")
 
 # Which calls are direct writes: the log cannot tell a pwrite on the O_DIRECT
 # descriptor from a buffered write of the same size and offset, the writer can.
@@ -103,7 +108,7 @@ for source, sd in sources.items():
     rec.mkdir(parents=True)
     direct_calls.clear()
     shim.arm(rec, log=root / source / "log.tsv")
-    written = save(sd, rec / "ckpt", pack=source == "packed")
+    written = save(sd, rec / "ckpt", pack=source in in_background)
     shim.disarm()
     ops = read_log(root / source / "log.tsv")
     direct = [op for op in ops if op.op == "write" and (op.offset, op.size) in direct_calls]
@@ -126,7 +131,7 @@ for source, sd in sources.items():
         shim.arm(where, errno=code, write_at=(direct[which].offset, direct[which].size))
         case = {}
         try:
-            written = save(sd, where / "ckpt", pack=source == "packed")
+            written = save(sd, where / "ckpt", pack=source in in_background)
             case["failed_op"] = shim.failed_op()
             shim.disarm()
             case["exact"] = exact(where / "ckpt", written)
@@ -151,7 +156,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run_child(CHILD, str(root), env=preload_env(shim, OMP_NUM_THREADS="1"))
 
 
-SOURCES = ["staged", "live", "packed"]
+SOURCES = ["staged", "live", "packed", "background"]
 
 
 def test_a_packed_file_goes_to_the_disk_in_bounce_buffers_but_its_last_partial_page(
@@ -172,7 +177,7 @@ def test_a_packed_file_goes_to_the_disk_in_bounce_buffers_but_its_last_partial_p
     assert case["recorded_exact"]
 
 
-@pytest.mark.parametrize("source", ["staged", "live"])
+@pytest.mark.parametrize("source", ["staged", "live", "background"])
 def test_the_state_is_written_with_direct_writes(outcome: dict, source: str) -> None:
     # The whole pages of each tensor of 1 MiB or more from its first page boundary
     # in memory on (a staged one's data starts on one; a live one's 64 bytes or
