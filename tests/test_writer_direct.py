@@ -659,3 +659,35 @@ def test_a_large_tensor_moved_in_memory_gets_a_new_write_result(tmp_path: Path) 
         assert r2["big"].storage_data.offset != r1["big"].storage_data.offset
     else:  # every byte buffered: the record's place does not depend on the memory's
         assert r2["big"] is r1["big"]
+
+
+def test_a_sync_save_overlaps_its_direct_writes_and_a_background_save_makes_them_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A synchronous save hands each gathered direct write to a ``stalwart-direct``
+    thread and goes on preparing the next records (training waits for its wall
+    time); a save in the background writes them from its own thread (its CPU
+    time is taken from training, and the hand-off costs some). Both read back
+    exactly."""
+    direct_io = takes_direct_io(tmp_path)
+    threads: dict[str, set[str]] = {}
+    write_gathered = hashed_file.HashedFile._write_gathered
+
+    def recording(self: hashed_file.HashedFile, pieces: list, at: int) -> None:
+        threads.setdefault(self.path.parent.name, set()).add(threading.current_thread().name)
+        write_gathered(self, pieces, at)
+
+    monkeypatch.setattr(hashed_file.HashedFile, "_write_gathered", recording)
+    monkeypatch.setattr(writer_module, "_PACK_AFTER", 2**62)  # large records only: no packing
+    live = live_state()
+    tensors = {k: v for k, v in live.items() if isinstance(v, torch.Tensor)}
+    written = save(live, tmp_path / "sync")
+    assert_reads_back_exactly(tmp_path / "sync", written, tensors)
+    written = save(StagingArea().stage(live), tmp_path / "background", pack=True)
+    assert_reads_back_exactly(tmp_path / "background", written, tensors)
+    if not direct_io:
+        assert threads == {}  # nothing gathered: every byte went through the page cache
+        return
+    me = threading.current_thread().name
+    assert threads["sync"] and all(n.startswith("stalwart-direct") for n in threads["sync"])
+    assert threads["background"] == {me}, threads
