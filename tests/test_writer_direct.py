@@ -691,3 +691,37 @@ def test_a_sync_save_overlaps_its_direct_writes_and_a_background_save_makes_them
     me = threading.current_thread().name
     assert threads["sync"] and all(n.startswith("stalwart-direct") for n in threads["sync"])
     assert threads["background"] == {me}, threads
+
+
+def test_an_interrupt_while_waiting_for_a_direct_write_leaves_it_for_abandon_to_wait_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error raised into the thread waiting for the gathered direct write in
+    flight (a signal handler's) leaves that write counted as in flight: ``abandon``
+    waits for it before it closes the descriptors it writes through, so a number
+    closed under the write cannot be reused by another file and take its bytes."""
+    if not takes_direct_io(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT writes: nothing is gathered")
+    release = threading.Event()
+    write_gathered = hashed_file.HashedFile._write_gathered
+
+    def slow(self: hashed_file.HashedFile, pieces: list, at: int) -> None:
+        release.wait(10)  # still writing when the interrupt comes
+        write_gathered(self, pieces, at)
+
+    monkeypatch.setattr(hashed_file.HashedFile, "_write_gathered", slow)
+    t = staged_tensor()
+    view = memoryview(t.numpy()).cast("B")
+    out = hashed_file.HashedFile(tmp_path / "f")
+    try:
+        assert out.add_direct(view, t.data_ptr())
+        out._flush_gather()  # the write starts on a stalwart-direct thread
+        writing = out._writing
+        assert writing is not None and not writing.done()
+        wait = hashed_file.HashedFile._wait_gathered.__code__
+        raised_into(wait, "writing.exception()", KILLED, out._wait_gathered)
+        threading.Timer(0.3, release.set).start()
+    finally:
+        out.abandon()
+    assert writing.done() and writing.exception() is None  # abandon waited for it
+    assert out.fd == -1

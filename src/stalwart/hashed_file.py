@@ -333,12 +333,11 @@ class HashedFile:
         pieces, at = self._gather, self._gather_at
         self._gather, self._gather_bytes = [], 0
         self._wait_gathered()
-        if not self.overlap:
+        if self.overlap:
+            self._writing = _DIRECT_WRITERS.submit(self._write_gathered, pieces, at)
+            self._frames, self._frames_busy = self._frames_busy, self._frames
+        else:
             self._write_gathered(pieces, at)
-            self._frames_used = 0
-            return
-        self._writing = _DIRECT_WRITERS.submit(self._write_gathered, pieces, at)
-        self._frames, self._frames_busy = self._frames_busy, self._frames
         self._frames_used = 0
 
     def _wait_gathered(self, *, raise_error: bool = True) -> None:
