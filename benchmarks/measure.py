@@ -246,8 +246,14 @@ def same_params(a: nn.Module, b: nn.Module) -> bool:
 class References:
     """Physical floors on the same bytes as the state: memcpy, hashing, raw write+fsync, raw read."""
 
-    def __init__(self, tensors: list[torch.Tensor], root: Path) -> None:
+    def __init__(
+        self, tensors: list[torch.Tensor], root: Path, *, fresh_from: int | None = None
+    ) -> None:
         self.tensors = tensors
+        self.fresh_from = len(tensors) if fresh_from is None else fresh_from
+        """Index of the first tensor a restore into fresh objects allocates anew (the
+        optimizer's state: a new optimizer has none); those before it (the model's)
+        exist already."""
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
@@ -374,7 +380,7 @@ class References:
             self._into_buffers(f)
         return time.perf_counter() - t0
 
-    def check_then_place(self, path: Path, *, cold: bool) -> float:
+    def check_then_place(self, path: Path, *, cold: bool, fresh: bool = False) -> float:
         """The floor of a restore that checks every byte before it writes any live tensor.
 
         One pass reads the file and hashes it (xxh3-128, chunk by chunk), a
@@ -382,6 +388,11 @@ class References:
         like a live model's), from the page cache the first pass filled.
         Nothing else: no metadata, no framing, no planning. Holding the whole
         file in memory instead of reading it twice costs the same copy.
+
+        ``fresh``: the floor of the same restore into fresh objects, where the
+        optimizer's state (the tensors from ``fresh_from`` on) is new memory,
+        allocated inside the timing and faulted in by the read, as a restarted
+        job's restore must.
         """
         import xxhash
 
@@ -394,8 +405,17 @@ class References:
                 digest.update(chunk[:n])
             digest.hexdigest()
             f.seek(0)
-            self._into_buffers(f)
-        return time.perf_counter() - t0
+            if not fresh:
+                self._into_buffers(f)
+                return time.perf_counter() - t0
+            targets = self.buffers[: self.fresh_from] + [
+                torch.empty_like(t) for t in self.tensors[self.fresh_from :]
+            ]
+            for b in targets:
+                f.readinto(memoryview(b.reshape(-1).view(torch.uint8).numpy()))
+        elapsed = time.perf_counter() - t0
+        del targets
+        return elapsed
 
 
 # -------------------------------------------------------------------- methods
@@ -725,6 +745,8 @@ def _raw_write_and_read(refs: References, i: int, samples: dict[str, list[float]
     samples["into_warm"].append(refs.place(raw, cold=False))
     samples["place_cold"].append(refs.check_then_place(raw, cold=True))
     samples["place_warm"].append(refs.check_then_place(raw, cold=False))
+    samples["place_fresh_cold"].append(refs.check_then_place(raw, cold=True, fresh=True))
+    samples["place_fresh_warm"].append(refs.check_then_place(raw, cold=False, fresh=True))
     raw.unlink()
     settle()
 
@@ -805,11 +827,17 @@ def job_timing(state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
             "into_warm",
             "place_cold",
             "place_warm",
+            "place_fresh_cold",
+            "place_fresh_warm",
         )
     }
     first_call = {name: _warm_up(METHODS[name], root / "warmup" / name) for name in INTERLEAVED}
     methods = {name: METHODS[name](root / name, model, opt, state) for name in INTERLEAVED}
-    refs = References(state_tensors(model, opt), root / "raw")
+    refs = References(
+        state_tensors(model, opt),
+        root / "raw",
+        fresh_from=len(list(tensors_of({"model": model.state_dict()}))),
+    )
     target = _scrambled_copy(model, opt)
     latest: dict[str, Path] = {}
     try:
@@ -902,6 +930,8 @@ def job_timing(state_bytes: int, repeats: int, workdir: str) -> dict[str, Any]:
                 "place_warm_s": best(ref_samples["into_warm"]),
                 "check_place_cold_s": best(ref_samples["place_cold"]),
                 "check_place_warm_s": best(ref_samples["place_warm"]),
+                "check_place_fresh_cold_s": best(ref_samples["place_fresh_cold"]),
+                "check_place_fresh_warm_s": best(ref_samples["place_fresh_warm"]),
                 "page_cache_drop": refs.page_cache_drop,
                 "samples": ref_samples,
             },

@@ -878,6 +878,14 @@ def _size_section(entry: dict[str, Any], meta: dict[str, Any], add: Any) -> None
             refs["check_place_warm_s"],
             "floor of a restore that checks every byte before it writes a live tensor",
         )
+    if refs.get("check_place_fresh_cold_s"):
+        timed_row(
+            "*ref: check, then place into fresh objects*",
+            refs["check_place_fresh_cold_s"],
+            refs["check_place_fresh_warm_s"],
+            "the same, the optimizer's state allocated anew inside the timing and faulted in "
+            "by the read: floor of a restore into fresh objects",
+        )
     for name, label in RESTORE_NAMES.items():
         m = methods.get(name)
         if not _ok(m) or not _ok(m.get("restore")):
@@ -936,10 +944,24 @@ def _floor_note(refs: dict[str, Any], restore: dict[str, Any]) -> str:
             f"cold, {_num(_div(refs['raw_read_warm_s'], restore['restore_fresh_warm_s']))}x warm "
             "(the restore allocates their optimizer's state, new memory: this run's clone of "
             f"the state into fresh memory took {_ms(refs.get('clone_s'))}, its memcpy into ready "
-            f"memory {_ms(refs.get('memcpy_s'))})"
+            f"memory {_ms(refs.get('memcpy_s'))})" + _fresh_floor_note(refs, restore)
             if restore.get("restore_fresh_cold_s")
             else ""
         )
+    )
+
+
+def _fresh_floor_note(refs: dict[str, Any], restore: dict[str, Any]) -> str:
+    """Where a verified restore into fresh objects stands against its own floor."""
+    cold, warm = refs.get("check_place_fresh_cold_s"), refs.get("check_place_fresh_warm_s")
+    if not (cold and warm):
+        return ""
+    return (
+        f"; the floor of a checked restore into fresh objects (that memory allocated and "
+        f"faulted in by the read) is {_num(_div(refs['raw_read_cold_s'], cold))}x cold, "
+        f"{_num(_div(refs['raw_read_warm_s'], warm))}x warm, and this restore takes "
+        f"{_num(_div(restore['restore_fresh_cold_s'], cold))}x / "
+        f"{_num(_div(restore['restore_fresh_warm_s'], warm))}x its time"
     )
 
 
