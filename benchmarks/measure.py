@@ -390,9 +390,11 @@ class References:
         file in memory instead of reading it twice costs the same copy.
 
         ``fresh``: the floor of the same restore into fresh objects, where the
-        optimizer's state (the tensors from ``fresh_from`` on) is new memory,
-        allocated inside the timing and faulted in by the read, as a restarted
-        job's restore must.
+        optimizer's state (the tensors from ``fresh_from`` on) is allocated
+        inside the timing (``torch.empty_like``), as such a restore allocates
+        it. Whether its pages fault in then depends on what the allocator hands
+        back, in this process as in the restore's (``clone`` shows how a fresh
+        allocation fared in this run).
         """
         import xxhash
 

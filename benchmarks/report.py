@@ -883,8 +883,8 @@ def _size_section(entry: dict[str, Any], meta: dict[str, Any], add: Any) -> None
             "*ref: check, then place into fresh objects*",
             refs["check_place_fresh_cold_s"],
             refs["check_place_fresh_warm_s"],
-            "the same, the optimizer's state allocated anew inside the timing and faulted in "
-            "by the read: floor of a restore into fresh objects",
+            "the same, the optimizer's state allocated anew inside the timing, as a restore "
+            "into fresh objects allocates it: floor of a restore into fresh objects",
         )
     for name, label in RESTORE_NAMES.items():
         m = methods.get(name)
@@ -957,8 +957,8 @@ def _fresh_floor_note(refs: dict[str, Any], restore: dict[str, Any]) -> str:
     if not (cold and warm):
         return ""
     return (
-        f"; the floor of a checked restore into fresh objects (that memory allocated and "
-        f"faulted in by the read) is {_num(_div(refs['raw_read_cold_s'], cold))}x cold, "
+        f"; the floor of a checked restore into fresh objects (that memory allocated anew "
+        f"inside the timing) is {_num(_div(refs['raw_read_cold_s'], cold))}x cold, "
         f"{_num(_div(refs['raw_read_warm_s'], warm))}x warm, and this restore takes "
         f"{_num(_div(restore['restore_fresh_cold_s'], cold))}x / "
         f"{_num(_div(restore['restore_fresh_warm_s'], warm))}x its time"

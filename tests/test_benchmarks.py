@@ -745,7 +745,7 @@ def test_the_restore_target_names_the_floor_of_placing_the_bytes_and_of_checking
 
 
 def test_the_restore_into_fresh_objects_is_told_against_its_own_floor() -> None:
-    """Fresh objects' restore faults its optimizer state in: its floor does too."""
+    """A restore into fresh objects allocates its optimizer's state: so does its floor."""
     restore = {
         "restore_cold_s": 0.2,
         "restore_warm_s": 0.1,
@@ -761,9 +761,9 @@ def test_the_restore_into_fresh_objects_is_told_against_its_own_floor() -> None:
     }
     detail = restore_rows(restore, floors)["restore (verified) >= 0.8x raw read"]["detail"]
     assert (
-        "the floor of a checked restore into fresh objects (that memory allocated and faulted "
-        "in by the read) is 0.50x cold, 0.40x warm, and this restore takes 1.25x / 1.60x its "
-        "time" in detail
+        "the floor of a checked restore into fresh objects (that memory allocated anew inside "
+        "the timing) is 0.50x cold, 0.40x warm, and this restore takes 1.25x / 1.60x its time"
+        in detail
     ), detail
     # A run from before that reference: the fresh objects' part ends where it did.
     old = restore_rows(restore, {k: v for k, v in floors.items() if "fresh" not in k})
