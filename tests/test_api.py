@@ -19,6 +19,7 @@ EXPECTED = {
     "ResumableDataLoader",
     "ResumableSampler",
     "RetryPolicy",
+    "RollbackError",
     "RunLockedError",
     "StalwartError",
     "StateMismatchError",
@@ -55,6 +56,7 @@ def test_every_error_derives_from_stalwart_error_and_a_builtin():
         "CommitConflictError": RuntimeError,
         "DurableStoreError": OSError,
         "GuardLimitError": RuntimeError,
+        "RollbackError": RuntimeError,
     }
     for name, builtin in builtins.items():
         cls = getattr(errors, name)

@@ -33,6 +33,7 @@ __all__ = [
     "CoordinationError",
     "DurableStoreError",
     "GuardLimitError",
+    "RollbackError",
     "RunLockedError",
     "StalwartError",
     "StateMismatchError",
@@ -96,6 +97,11 @@ class CoordinationError(StalwartError, RuntimeError):
 
 class RunLockedError(StalwartError, RuntimeError):
     """Another live process holds the single-writer lock on the run directory."""
+
+
+class RollbackError(StalwartError, RuntimeError):
+    """A rollback (``CheckpointManager.rollback``, ``stalwart rollback``) that cannot be
+    done: the run has a durable tier, or moving a step aside failed."""
 
 
 class GuardLimitError(StalwartError, RuntimeError):

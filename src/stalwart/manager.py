@@ -23,6 +23,7 @@ from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointSaveError,
     CoordinationError,
+    RollbackError,
     StalwartError,
 )
 from stalwart.events import EVENTS_NAME, EventLog
@@ -33,6 +34,7 @@ from stalwart.preemption import GracePlanner, check_grace
 from stalwart.provenance import Provenance
 from stalwart.redact import redact_url
 from stalwart.restoring import RestoreWalk, warn_if_ddp_resume_inexact
+from stalwart.rollback import roll_back
 from stalwart.saving import SaveWriter, peer_failure
 from stalwart.signals import PreemptionSignals
 from stalwart.state import TrainState
@@ -301,6 +303,40 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         return max(self.all_steps(), default=None)
+
+    def rollback(self, step: int) -> list[int]:
+        """Make ``step`` the run's newest committed step again, for training to go on from it.
+
+        Every committed step newer than ``step`` is moved aside, kept, into
+        ``<directory>/.rolled-back-<step>-<hex>/`` (``stalwart.rollback``): then
+        ``restore()`` loads ``step`` (or what is saved after it) and saves of
+        those step numbers are written again. Waits for a save in flight first.
+        Returns the steps moved, newest first. Collective (rank 0 moves).
+        Raises ``CheckpointNotFoundError`` when ``step`` is not committed and
+        ``RollbackError`` for a run with a durable tier (which holds the newer
+        steps too) or when a move failed (the steps moved before it stay moved:
+        call it again).
+        """
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"the step to roll back to must be an int >= 0, got {step!r}")
+        self.wait()
+
+        def move() -> list[int]:
+            if not self.is_leader:
+                return []
+            try:
+                report = roll_back(self.directory, to=step, events=self.events, take_lock=False)
+            except StalwartError:
+                raise
+            except OSError as exc:
+                raise RollbackError(
+                    f"rolling {self.directory} back to step {step} failed: {exc}; the steps "
+                    "moved before it stay moved, call rollback again"
+                ) from exc
+            return [entry["step"] for entry in report["moved"]]
+
+        return self._coord.agree_all(move)[0]
 
     def should_save(self, step: int) -> bool:
         """Whether the policy (or a pending preemption) asks for a save at ``step``, on this rank.

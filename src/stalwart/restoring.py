@@ -221,8 +221,14 @@ class RestoreWalk:
                 f"restored step {step} while the run holds newer committed steps ({shown}): "
                 "a run that goes on from here skips saving those step numbers (a checkpoint is "
                 f"never overwritten), and a restore() without step= loads step {newer[-1]}, not "
-                f"this run's; if training goes on from step {step}, move those steps out of "
-                f"{where} first"
+                f"this run's; if training goes on from step {step}, "
+                + (
+                    f"move those steps out of {where} first"
+                    if self.durable_url
+                    else f"call rollback({step}) on this manager first, which moves them "
+                    f"aside, kept (or, with the trainer stopped, `stalwart rollback "
+                    f"{self.directory} --to {step}`)"
+                )
             ),
         )
 

@@ -34,6 +34,7 @@ from stalwart.cli import (
     cmd_plan,
     cmd_report,
     cmd_restore_test,
+    cmd_rollback,
     cmd_verify,
 )
 from stalwart.cli.common import EXIT_BAD, EXIT_USAGE, UsageError
@@ -67,7 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in (cmd_ls, cmd_inspect, cmd_verify, cmd_launch):
         command.add_parser(subparsers)
-    for command in (cmd_plan, cmd_gc, cmd_diff, cmd_export, cmd_report, cmd_restore_test):
+    for command in (
+        cmd_plan,
+        cmd_gc,
+        cmd_rollback,
+        cmd_diff,
+        cmd_export,
+        cmd_report,
+        cmd_restore_test,
+    ):
         command.add_parser(subparsers)
     cmd_chaos.add_parser(subparsers)
     return parser

@@ -1,0 +1,155 @@
+"""Rolling a run back to an earlier step: its newer committed steps moved aside, kept.
+
+A run that goes on training from an older step (``restore(state, step=N)``,
+after a loss spike, say) must not keep its newer steps as the run's own: a
+``restore()`` without ``step`` would load the newest of them, from the
+abandoned trajectory, and saves of their step numbers would be skipped (a
+checkpoint is never overwritten). ``roll_back(run, to=N)`` moves every
+committed step newer than ``N`` into one hidden directory of the run,
+``.rolled-back-<N>-<hex>/``, by renames in the run's own filesystem: nothing is
+copied, deleted or rewritten, and a step moved aside is a complete checkpoint
+that ``stalwart verify`` still checks and a rename brings back.
+
+It holds the run lock (``stalwart.lock``) while it works, so it never runs
+beside a manager writing the run. Renames go newest step first, each made
+durable (the directory fsynced) before the next: a rollback cut short leaves
+the newest steps moved and some older ones in place, and running it again
+finishes it.
+
+A run with a durable tier is refused: its newer steps are in the tier too,
+and ``restore()`` would download them again. Only the local tier is handled here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from stalwart.errors import CheckpointNotFoundError, RollbackError
+from stalwart.events import EventLog
+from stalwart.history import read_history
+from stalwart.layout import EVENTS_NAME, step_dir_name
+from stalwart.lock import RunLock
+from stalwart.redact import redact_url
+from stalwart.storage.local import LocalStorage, fsync_dir
+
+__all__ = ["ASIDE_PREFIX", "RollbackPlan", "plan_rollback", "roll_back"]
+
+ASIDE_PREFIX = ".rolled-back-"
+"""Where a rollback puts the newer steps: ``<run>/.rolled-back-<step>-<12 hex>/step_N``."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RollbackPlan:
+    """What ``roll_back`` does: the step kept newest, and the newer steps to move aside."""
+
+    run: Path
+    to: int
+    newer: list[int]
+    """Committed steps newer than ``to``, newest first (the order they are moved in)."""
+    aside: Path
+    """The hidden directory they go to (made only when there is something to move)."""
+
+
+def plan_rollback(run: Path, *, to: int) -> RollbackPlan:
+    """What rolling ``run`` back to step ``to`` would move; reads only.
+
+    Raises ``CheckpointNotFoundError`` (naming the committed steps) when ``to`` is
+    not a committed step of ``run``, and ``RollbackError`` when the run's
+    events name a durable tier.
+    """
+    if isinstance(to, bool) or not isinstance(to, int) or to < 0:
+        raise ValueError(f"the step to roll back to must be an int >= 0, got {to!r}")
+    storage = LocalStorage(run)
+    committed = storage.committed_steps()
+    if to not in committed:
+        shown = ", ".join(map(str, committed[-10:])) or "none"
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint of step {to} in {run} (committed steps: {shown}); "
+            "a run is rolled back to one of its committed steps"
+        )
+    durable = read_history(run).durable.url
+    if durable is not None:
+        raise RollbackError(
+            f"{run} uploads to the durable tier {redact_url(durable)}, which holds its steps "
+            f"too: a restore() would download the newer ones from there again. Rolling back "
+            "a run with a durable tier is not supported; move the newer steps out of both "
+            "tiers yourself, or train on in a new run directory restored from this step"
+        )
+    newer = sorted((s for s in committed if s > to), reverse=True)
+    aside = run / f"{ASIDE_PREFIX}{to}-{uuid.uuid4().hex[:12]}"
+    return RollbackPlan(run=run, to=to, newer=newer, aside=aside)
+
+
+def roll_back(
+    run: Path,
+    *,
+    to: int,
+    dry_run: bool = False,
+    events: EventLog | None = None,
+    take_lock: bool = True,
+) -> dict[str, Any]:
+    """Move every committed step of ``run`` newer than ``to`` aside (see the module).
+
+    Returns the report ``stalwart rollback --json`` prints; the move is logged
+    to ``events`` (default: the run's ``events.jsonl``) as a ``rollback`` event.
+    Raises what ``plan_rollback`` raises, ``RunLockedError`` when another
+    process holds the run lock (a dry run only lists, without the lock), and
+    ``OSError`` when a rename fails (the steps moved before it stay moved; the
+    report of a rerun lists what is left). ``take_lock=False`` is for the
+    manager, which holds the lock already.
+    """
+    plan = plan_rollback(run, to=to)
+    moved: list[dict[str, Any]] = []
+    if dry_run or not plan.newer:
+        return _report(plan, moved, dry_run=dry_run)
+    lock = RunLock(run)
+    if take_lock:
+        lock.acquire()
+    try:
+        # Listed again under the lock: a manager may have saved since the plan.
+        plan = plan_rollback(run, to=to)
+        if plan.newer:
+            os.mkdir(plan.aside, 0o755)
+            fsync_dir(run)
+        try:
+            for step in plan.newer:
+                name = step_dir_name(step)
+                os.rename(run / name, plan.aside / name)
+                # Moved from here on, durable or not yet: the event must say so.
+                moved.append({"step": step, "name": name, "to": str(plan.aside / name)})
+                fsync_dir(plan.aside)
+                fsync_dir(run)
+        finally:
+            if moved:
+                (events or EventLog(run / EVENTS_NAME)).emit(
+                    "rollback",
+                    step=to,
+                    moved=[m["step"] for m in moved],
+                    left=[s for s in plan.newer if s not in {m["step"] for m in moved}],
+                    path=str(plan.aside),
+                )
+    finally:
+        lock.release()
+    return _report(plan, moved, dry_run=False)
+
+
+def _report(plan: RollbackPlan, moved: list[dict[str, Any]], *, dry_run: bool) -> dict[str, Any]:
+    listed = (
+        [
+            {"step": s, "name": step_dir_name(s), "to": str(plan.aside / step_dir_name(s))}
+            for s in plan.newer
+        ]
+        if dry_run
+        else moved
+    )
+    return {
+        "run": str(plan.run),
+        "to": plan.to,
+        "dry_run": dry_run,
+        "aside": str(plan.aside) if listed else None,
+        "moved": listed,
+    }

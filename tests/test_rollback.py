@@ -1,0 +1,226 @@
+"""Rolling a run back: the newer steps moved aside, kept; training goes on from the step.
+
+After ``restore(state, step=N)`` a run's newer steps would otherwise stay its
+newest: ``restore()`` would load them and saves of their step numbers would
+be skipped. ``CheckpointManager.rollback`` and ``stalwart rollback`` move them
+aside, under the run lock, and refuse what they cannot do safely.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import stalwart
+from stalwart.cli.main import main
+from stalwart.layout import EVENTS_NAME, MANIFEST_NAME, step_dir_name
+from stalwart.rollback import ASIDE_PREFIX
+
+from .conftest import assert_same, make_parts, snapshot, train_steps
+
+STEPS = (100, 200, 300)
+
+
+def _events(run: Path, kind: str) -> list[dict]:
+    lines = (run / EVENTS_NAME).read_text(encoding="utf-8").splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def _run(run: Path, steps: tuple[int, ...] = STEPS, **kwargs):
+    parts = make_parts()
+    with stalwart.CheckpointManager(run, keep_last=None, handle_signals=False, **kwargs) as ckpt:
+        for step in steps:
+            train_steps(parts, 1)
+            assert ckpt.save(step, parts.state, force=True)
+    return parts
+
+
+def _asides(run: Path) -> list[Path]:
+    return sorted(p for p in run.iterdir() if p.name.startswith(ASIDE_PREFIX))
+
+
+def _listing(run: Path) -> list[str]:
+    return sorted(os.listdir(run))
+
+
+def test_a_rollback_makes_the_step_the_newest_and_training_goes_on_from_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    parts = _run(run)
+    old_200 = (run / step_dir_name(200) / MANIFEST_NAME).read_bytes()
+    with stalwart.CheckpointManager(run, keep_last=None, handle_signals=False) as ckpt:
+        assert ckpt.restore(parts.state, step=100) == 100
+        (warning,) = _events(run, "restore_rollback")
+        assert "call rollback(100) on this manager" in warning["reason"]
+        assert ckpt.rollback(100) == [300, 200]
+        assert ckpt.all_steps() == [100]
+        # The steps moved aside are whole checkpoints, byte for byte.
+        (aside,) = _asides(run)
+        assert sorted(os.listdir(aside)) == [step_dir_name(200), step_dir_name(300)]
+        assert (aside / step_dir_name(200) / MANIFEST_NAME).read_bytes() == old_200
+        (event,) = _events(run, "rollback")
+        assert event["step"] == 100 and event["moved"] == [300, 200] and event["left"] == []
+        assert event["path"] == str(aside)
+        # Training goes on from 100: step 200 is saved again, not skipped.
+        train_steps(parts, 1)
+        assert ckpt.save(200, parts.state, force=True) is True
+        expected = snapshot(parts)
+    fresh = make_parts()
+    with stalwart.CheckpointManager(run, keep_last=None, handle_signals=False) as ckpt:
+        assert ckpt.restore(fresh.state) == 200
+    assert_same(snapshot(fresh), expected)
+    assert main(["verify", str(aside / step_dir_name(300))]) == 0
+    capsys.readouterr()
+
+
+def test_the_command_lists_with_dry_run_then_moves_and_a_rerun_has_nothing_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    _run(run)
+    before = _listing(run)
+    assert main(["rollback", str(run), "--to", "200", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"would move {step_dir_name(300)} -> " in out and step_dir_name(200) + " ->" not in out
+    assert _listing(run) == before and _events(run, "rollback") == []
+
+    assert main(["rollback", str(run), "--to", "200", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["to"] == 200 and [m["step"] for m in report["moved"]] == [300]
+    assert Path(report["moved"][0]["to"]).is_dir()
+    assert sorted(n for n in os.listdir(run) if n.startswith("step_")) == [
+        step_dir_name(100),
+        step_dir_name(200),
+    ]
+
+    assert main(["rollback", str(run), "--to", "200"]) == 0
+    assert "nothing to roll back: step 200 is the newest" in capsys.readouterr().out
+    assert len(_asides(run)) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--to", "150"], "no committed checkpoint of step 150"),
+        (["--to", "abc"], "invalid int value"),
+        (["--to", "-5"], "--to is a step number >= 0"),
+    ],
+)
+def test_a_step_that_is_not_committed_is_a_usage_error_and_moves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    run = tmp_path / "run"
+    _run(run)
+    before = _listing(run)
+    assert main(["rollback", str(run), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    if "150" in args:
+        assert "committed steps: 100, 200, 300" in err
+    assert _listing(run) == before
+
+
+def test_the_manager_names_the_committed_steps_for_a_step_it_does_not_hold(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    _run(run)
+    with stalwart.CheckpointManager(run, keep_last=None, handle_signals=False) as ckpt:
+        with pytest.raises(stalwart.CheckpointNotFoundError, match="committed steps: 100, 200"):
+            ckpt.rollback(250)
+        with pytest.raises(ValueError, match="int >= 0"):
+            ckpt.rollback(True)  # type: ignore[arg-type]
+        assert ckpt.all_steps() == list(STEPS)
+
+
+def test_a_checkpoint_directory_instead_of_a_run_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    _run(run)
+    assert main(["rollback", str(run / step_dir_name(100)), "--to", "100"]) == 2
+    assert "is a checkpoint directory" in capsys.readouterr().err
+
+
+def test_the_command_refuses_while_a_trainer_holds_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second process: a trainer with the run open, waiting. Nothing is moved."""
+    run = tmp_path / "run"
+    _run(run)
+    ready = tmp_path / "ready"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import pathlib, sys, time
+                import stalwart
+                with stalwart.CheckpointManager({str(run)!r}, keep_last=None,
+                                                handle_signals=False):
+                    pathlib.Path({str(ready)!r}).touch()
+                    sys.stdin.read()
+                """
+            ),
+        ],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        for _ in range(600):
+            if ready.exists() or holder.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert ready.exists(), "the trainer process did not open the run"
+        before = _listing(run)
+        assert main(["rollback", str(run), "--to", "100"]) == 1
+        err = capsys.readouterr().err
+        assert "already being written by pid" in err and str(holder.pid) in err, err
+        assert _listing(run) == before
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=60)
+
+
+def test_a_run_with_a_durable_tier_is_refused_by_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    url = (tmp_path / "store").as_uri()
+    parts = _run(run, durable=stalwart.DurableConfig(url=url))
+    before = _listing(run)
+    assert main(["rollback", str(run), "--to", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "durable tier" in err and url in err, err
+    with stalwart.CheckpointManager(run, keep_last=None, handle_signals=False) as ckpt:
+        with pytest.raises(stalwart.RollbackError, match="durable tier"):
+            ckpt.rollback(100)
+        assert ckpt.restore(parts.state) == 300
+    assert _listing(run) == before
+
+
+def test_links_and_files_named_like_newer_steps_are_not_moved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Crafted entries: a link to a checkpoint outside the run and a file, both named
+    like newer steps. Only real committed directories are moved."""
+    run = tmp_path / "run"
+    _run(run, (100, 200))
+    outside = tmp_path / "outside"
+    _run(outside, (500,))
+    (run / step_dir_name(400)).symlink_to(outside / step_dir_name(500))
+    (run / step_dir_name(600)).write_text("not a checkpoint")
+    assert main(["rollback", str(run), "--to", "100", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [m["step"] for m in report["moved"]] == [200]
+    assert (run / step_dir_name(400)).is_symlink() and (run / step_dir_name(600)).is_file()
+    assert (outside / step_dir_name(500) / MANIFEST_NAME).is_file()
