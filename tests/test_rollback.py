@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import stalwart
 from stalwart.cli.main import main
@@ -64,7 +65,7 @@ def test_a_rollback_makes_the_step_the_newest_and_training_goes_on_from_it(
         assert ckpt.all_steps() == [100]
         # The steps moved aside are whole checkpoints, byte for byte.
         (aside,) = _asides(run)
-        assert sorted(os.listdir(aside)) == [step_dir_name(200), step_dir_name(300)]
+        assert sorted(os.listdir(aside)) == ["fingerprints", step_dir_name(200), step_dir_name(300)]
         assert (aside / step_dir_name(200) / MANIFEST_NAME).read_bytes() == old_200
         (event,) = _events(run, "rollback")
         assert event["step"] == 100 and event["moved"] == [300, 200] and event["left"] == []
@@ -224,3 +225,67 @@ def test_links_and_files_named_like_newer_steps_are_not_moved(
     assert [m["step"] for m in report["moved"]] == [200]
     assert (run / step_dir_name(400)).is_symlink() and (run / step_dir_name(600)).is_file()
     assert (outside / step_dir_name(500) / MANIFEST_NAME).is_file()
+
+
+def _trajectory(run: Path, steps: range, *, lr_scale: float, restore_to: int | None, cli: bool):
+    """Train ``steps`` (saving at even steps, a fingerprint every step); with
+    ``restore_to``, restore that step first, rolled back in-process or by the CLI."""
+    torch.manual_seed(0)
+    parts = make_parts()
+    for group in parts.optimizer.param_groups:
+        group["lr"] *= lr_scale
+    if restore_to is not None and cli:
+        assert main(["rollback", str(run), "--to", str(restore_to)]) == 0
+    with stalwart.CheckpointManager(run, every_steps=2, keep_last=None, handle_signals=False) as c:
+        if restore_to is not None:
+            assert c.restore(parts.state, step=None if cli else restore_to) == restore_to
+            if not cli:
+                assert c.rollback(restore_to) == [6, 4]
+            for group in parts.optimizer.param_groups:
+                group["lr"] *= lr_scale  # the restore brought the old lr back: change course
+        for s in steps:
+            train_steps(parts, 1)
+            loss = float(parts.model(torch.ones(1, 4)).pow(2).mean().detach())
+            c.save(s, parts.state, metrics={"loss": loss})
+        return c.resume_verdict
+
+
+@pytest.mark.parametrize("cli", [False, True], ids=["manager", "cli"])
+def test_the_new_trajectory_after_a_rollback_is_not_compared_with_the_abandoned_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cli: bool
+) -> None:
+    """A rollback changes course on purpose: its fingerprint logs go aside with the
+    steps, so the certificate never reports the new steps as a divergence."""
+    run = tmp_path / "run"
+    _trajectory(run, range(1, 7), lr_scale=1.0, restore_to=None, cli=cli)
+    verdict = _trajectory(run, range(3, 7), lr_scale=10.0, restore_to=2, cli=cli)
+    capsys.readouterr()
+    events = [e["event"] for e in _events_all(run)]
+    assert "resume_diverged" not in events, events
+    if cli:
+        assert verdict is not None and verdict.event == "resume_unverified"
+    (aside,) = _asides(run)
+    assert (aside / "fingerprints").is_dir()
+    (event,) = _events(run, "rollback")
+    assert event["fingerprints"] == str(aside / "fingerprints")
+
+
+def test_without_a_rollback_the_same_change_of_course_is_a_divergence(tmp_path: Path) -> None:
+    """The control: the certificate does compare, and the changed course shows."""
+    run = tmp_path / "run"
+    _trajectory(run, range(1, 7), lr_scale=1.0, restore_to=None, cli=False)
+    torch.manual_seed(0)
+    parts = make_parts()
+    with stalwart.CheckpointManager(run, every_steps=2, keep_last=None, handle_signals=False) as c:
+        assert c.restore(parts.state, step=2) == 2
+        for group in parts.optimizer.param_groups:
+            group["lr"] *= 10.0
+        for s in range(3, 7):
+            train_steps(parts, 1)
+            loss = float(parts.model(torch.ones(1, 4)).pow(2).mean().detach())
+            c.save(s, parts.state, metrics={"loss": loss})
+    assert "resume_diverged" in [e["event"] for e in _events_all(run)]
+
+
+def _events_all(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / EVENTS_NAME).read_text().splitlines()]

@@ -311,7 +311,9 @@ class CheckpointManager:
         ``<directory>/.rolled-back-<step>-<hex>/`` (``stalwart.rollback``): then
         ``restore()`` loads ``step`` (or what is saved after it) and saves of
         those step numbers are written again. Waits for a save in flight first.
-        Returns the steps moved, newest first. Collective (rank 0 moves).
+        Returns the steps moved, newest first. Collective (rank 0 moves). The
+        exact-resume certificate starts over: the steps after ``step`` are
+        trained anew by design, so no comparison with the abandoned ones runs.
         Raises ``CheckpointNotFoundError`` when ``step`` is not committed and
         ``RollbackError`` for a run with a durable tier (which holds the newer
         steps too) or when a move failed (the steps moved before it stay moved:
@@ -336,7 +338,15 @@ class CheckpointManager:
                 ) from exc
             return [entry["step"] for entry in report["moved"]]
 
-        return self._coord.agree_all(move)[0]
+        # Each rank's fingerprint log is closed before rank 0 moves the logs aside
+        # with the steps (the gather below waits for every rank), and a new one begins.
+        self._certificate.close()
+        try:
+            return self._coord.agree_all(move)[0]
+        finally:
+            self._certificate = Certificate(
+                self.directory, rank=self.rank, world_size=self.world_size
+            )
 
     def should_save(self, step: int) -> bool:
         """Whether the policy (or a pending preemption) asks for a save at ``step``, on this rank.

@@ -16,6 +16,13 @@ durable (the directory fsynced) before the next: a rollback cut short leaves
 the newest steps moved and some older ones in place, and running it again
 finishes it.
 
+The exact-resume certificate's fingerprint logs (``<run>/fingerprints/``) go
+aside with the steps: they hold the abandoned trajectory's steps, and a later
+restore would compare the new trajectory with them and report a divergence
+that is the rollback's purpose. The next restore after a rollback therefore has
+nothing earlier to compare with (``resume_unverified``) until the run records
+steps again.
+
 A run with a durable tier is refused: its newer steps are in the tier too,
 and ``restore()`` would download them again. Only the local tier is handled here.
 """
@@ -31,7 +38,7 @@ from typing import Any
 from stalwart.errors import CheckpointNotFoundError, RollbackError
 from stalwart.events import EventLog
 from stalwart.history import read_history
-from stalwart.layout import EVENTS_NAME, step_dir_name
+from stalwart.layout import EVENTS_NAME, FINGERPRINT_DIR, step_dir_name
 from stalwart.lock import RunLock
 from stalwart.redact import redact_url
 from stalwart.storage.local import LocalStorage, fsync_dir
@@ -115,7 +122,16 @@ def roll_back(
         if plan.newer:
             os.mkdir(plan.aside, 0o755)
             fsync_dir(run)
+        fingerprints: str | None = None
         try:
+            # The logs first: a rollback cut short after them is finished by a rerun,
+            # which moves only steps (with nothing newer left, a rerun moves nothing).
+            logs = run / FINGERPRINT_DIR
+            if logs.is_dir() and not logs.is_symlink():
+                os.rename(logs, plan.aside / FINGERPRINT_DIR)
+                fingerprints = str(plan.aside / FINGERPRINT_DIR)
+                fsync_dir(plan.aside)
+                fsync_dir(run)
             for step in plan.newer:
                 name = step_dir_name(step)
                 os.rename(run / name, plan.aside / name)
@@ -124,13 +140,14 @@ def roll_back(
                 fsync_dir(plan.aside)
                 fsync_dir(run)
         finally:
-            if moved:
+            if moved or fingerprints:
                 (events or EventLog(run / EVENTS_NAME)).emit(
                     "rollback",
                     step=to,
                     moved=[m["step"] for m in moved],
                     left=[s for s in plan.newer if s not in {m["step"] for m in moved}],
                     path=str(plan.aside),
+                    fingerprints=fingerprints,
                 )
     finally:
         lock.release()

@@ -23,6 +23,7 @@ def test_every_rank_gets_the_steps_moved_and_the_error_for_a_step_not_committed(
         assert report["same"] is True, report
     asides = [p for p in run.iterdir() if p.name.startswith(".rolled-back-2-")]
     assert len(asides) == 1 and sorted(p.name for p in asides[0].iterdir()) == [
+        "fingerprints",
         "step_000000004",
         "step_000000006",
     ]

@@ -8,7 +8,8 @@ turn (EIO, ENOSPC). Every case must:
 - leave every step either in place or whole in the aside directory, never
   half moved, and the run's newest step restorable;
 - log the steps it moved (``rollback`` event, with those ``left``);
-- be finished by running the rollback again, with the shim disarmed.
+- be finished by running the rollback again, with the shim disarmed, the
+  certificate's fingerprint logs included.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def child(work: Path) -> dict:
             int(p.name.removeprefix("step_")) for a in asides for p in a.iterdir() if _whole(p)
         )
         events = _rollbacks(case)
+        logs_aside = any((a / "fingerprints").is_dir() for a in asides)
         rerun = roll_back(case, to=100)
         cases.append(
             {
@@ -94,9 +96,11 @@ def child(work: Path) -> dict:
                 "raised": raised,
                 "in_place": in_place,
                 "aside": aside,
-                "events": [{"moved": e["moved"], "left": e["left"]} for e in events],
+                "events": [{"moved": e["moved"], "left": e["left"]} for e in events if e["moved"]],
                 "rerun_moved": [m["step"] for m in rerun["moved"]],
                 "after": LocalStorage(case).committed_steps(),
+                "logs_aside": logs_aside,
+                "logs_left": (case / "fingerprints").exists(),
             }
         )
     return {"calls": len(read_log(log)), "cases": cases}
@@ -122,7 +126,8 @@ def test_every_failed_rename_or_fsync_of_a_rollback_keeps_every_step_whole(
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads(lines[-1][len("RESULT ") :])
     ops = [c["op"] for c in report["cases"]]
-    assert ops.count("rename") == 2 and "fsync" in ops and "mkdir" in ops, ops
+    # mkdir, the fingerprint logs' rename, then each step's (each followed by fsyncs).
+    assert ops.count("rename") == 3 and "fsync" in ops and "mkdir" in ops, ops
     for case in report["cases"]:
         where = json.dumps(case)
         assert case["failed"].startswith(case["op"]), where
@@ -132,10 +137,13 @@ def test_every_failed_rename_or_fsync_of_a_rollback_keeps_every_step_whole(
         assert 100 in case["in_place"], where
         moved = sorted(case["aside"], reverse=True)
         if moved:
-            # What was moved is logged, with what is left (newest first).
+            # The logs went first; what was moved is logged, with what is left.
+            assert case["logs_aside"], where
             assert case["events"] == [
                 {"moved": moved, "left": [s for s in (300, 200) if s not in moved]}
             ], where
+        # Once finished, the abandoned trajectory's fingerprints are out of the run.
+        assert not case["logs_left"], where
         # A rerun finishes: only step 100 is left committed.
         assert case["rerun_moved"] == [s for s in (300, 200) if s not in moved], where
         assert case["after"] == [100], where

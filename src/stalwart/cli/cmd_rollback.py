@@ -24,7 +24,9 @@ what it does:
   Every committed step newer than STEP is renamed into one hidden directory of
   the run, <RUN>/.rolled-back-<STEP>-<hex>/step_N: nothing is copied, deleted or
   rewritten. A restore() then loads STEP (or a newer step saved after this), and
-  the run saves those step numbers again. To undo, rename the steps back.
+  the run saves those step numbers again. The exact-resume certificate's logs
+  (<RUN>/fingerprints/) go there too: they hold the abandoned steps. To undo,
+  rename them back.
 
 the run lock:
   rollback takes <run>/.lock, as a manager does, so it refuses (exit 1) while a
