@@ -96,6 +96,7 @@ def test_the_command_lists_with_dry_run_then_moves_and_a_rerun_has_nothing_to_do
     assert main(["rollback", str(run), "--to", "200", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["to"] == 200 and [m["step"] for m in report["moved"]] == [300]
+    assert report["fingerprints"] == str(Path(report["aside"]) / "fingerprints")
     assert Path(report["moved"][0]["to"]).is_dir()
     assert sorted(n for n in os.listdir(run) if n.startswith("step_")) == [
         step_dir_name(100),

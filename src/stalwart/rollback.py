@@ -117,11 +117,13 @@ def roll_back(
     if take_lock:
         lock.acquire()
     try:
-        # Listed again under the lock: a manager may have saved since the plan.
+        # Listed again under the lock: a manager may have saved, or another rollback
+        # moved the steps, since the plan.
         plan = plan_rollback(run, to=to)
-        if plan.newer:
-            os.mkdir(plan.aside, 0o755)
-            fsync_dir(run)
+        if not plan.newer:
+            return _report(plan, moved, dry_run=False)
+        os.mkdir(plan.aside, 0o755)
+        fsync_dir(run)
         fingerprints: str | None = None
         try:
             # The logs first: a rollback cut short after them is finished by a rerun,
@@ -151,10 +153,16 @@ def roll_back(
                 )
     finally:
         lock.release()
-    return _report(plan, moved, dry_run=False)
+    return _report(plan, moved, dry_run=False, fingerprints=fingerprints)
 
 
-def _report(plan: RollbackPlan, moved: list[dict[str, Any]], *, dry_run: bool) -> dict[str, Any]:
+def _report(
+    plan: RollbackPlan,
+    moved: list[dict[str, Any]],
+    *,
+    dry_run: bool,
+    fingerprints: str | None = None,
+) -> dict[str, Any]:
     listed = (
         [
             {"step": s, "name": step_dir_name(s), "to": str(plan.aside / step_dir_name(s))}
@@ -169,4 +177,5 @@ def _report(plan: RollbackPlan, moved: list[dict[str, Any]], *, dry_run: bool) -
         "dry_run": dry_run,
         "aside": str(plan.aside) if listed else None,
         "moved": listed,
+        "fingerprints": fingerprints,
     }
