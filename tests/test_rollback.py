@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -290,3 +291,40 @@ def test_without_a_rollback_the_same_change_of_course_is_a_divergence(tmp_path: 
 
 def _events_all(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / EVENTS_NAME).read_text().splitlines()]
+
+
+def test_a_linked_fingerprints_directory_is_left_where_it_points(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Crafted: the run's fingerprints/ is a link to a directory outside the run. A
+    rollback moves the steps and never renames through the link."""
+    run = tmp_path / "run"
+    _run(run)
+    shutil.rmtree(run / "fingerprints")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the run's")
+    (run / "fingerprints").symlink_to(outside)
+    assert main(["rollback", str(run), "--to", "100", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [m["step"] for m in report["moved"]] == [300, 200]
+    assert report["fingerprints"] is None
+    assert (run / "fingerprints").is_symlink() and (outside / "keep.txt").is_file()
+
+
+def test_an_events_log_that_is_a_link_stops_the_rollback_before_anything_moves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Crafted: events.jsonl replaced by a link. The run's history cannot be read (so
+    whether it has a durable tier is unknown): nothing moves, and the error says why."""
+    run = tmp_path / "run"
+    _run(run)
+    target = tmp_path / "other.jsonl"
+    target.write_text((run / EVENTS_NAME).read_text())
+    (run / EVENTS_NAME).unlink()
+    (run / EVENTS_NAME).symlink_to(target)
+    before = _listing(run)
+    assert main(["rollback", str(run), "--to", "100"]) == 1
+    err = capsys.readouterr().err
+    assert EVENTS_NAME in err, err
+    assert _listing(run) == before
