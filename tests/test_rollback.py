@@ -24,10 +24,13 @@ import stalwart
 from stalwart.cli.main import main
 from stalwart.layout import EVENTS_NAME, MANIFEST_NAME, step_dir_name
 from stalwart.rollback import ASIDE_PREFIX
+from stalwart.storage.durable import DurableTier
+from stalwart.storage.remote import RetryPolicy
 
 from .conftest import assert_same, make_parts, snapshot, train_steps
 
 STEPS = (100, 200, 300)
+FAST = RetryPolicy(initial_backoff=0.05, max_backoff=0.5, deadline=20.0, request_timeout=10.0)
 
 
 def _events(run: Path, kind: str) -> list[dict]:
@@ -194,7 +197,7 @@ def test_the_command_refuses_while_a_trainer_holds_the_run(
         holder.wait(timeout=60)
 
 
-def test_a_run_with_a_durable_tier_is_refused_by_both(
+def test_a_run_with_a_durable_tier_is_refused_without_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
@@ -204,6 +207,7 @@ def test_a_run_with_a_durable_tier_is_refused_by_both(
     assert main(["rollback", str(run), "--to", "100"]) == 2
     err = capsys.readouterr().err
     assert "durable tier" in err and url in err, err
+    assert "rollback(100) rolls back both tiers" in err, err
     with stalwart.CheckpointManager(run, keep_last=None, handle_signals=False) as ckpt:
         with pytest.raises(stalwart.RollbackError, match="durable tier"):
             ckpt.rollback(100)
@@ -328,3 +332,68 @@ def test_an_events_log_that_is_a_link_stops_the_rollback_before_anything_moves(
     err = capsys.readouterr().err
     assert EVENTS_NAME in err, err
     assert _listing(run) == before
+
+
+def test_a_manager_with_the_durable_tier_rolls_both_tiers_back(tmp_path: Path) -> None:
+    """The tier's newer steps leave it; one only the tier held is downloaded first and
+    kept aside with the others; the step numbers are uploaded again afterwards."""
+    run = tmp_path / "run"
+    url = (tmp_path / "store").as_uri()
+    durable = stalwart.DurableConfig(url=url, keep_last=None, keep_every=None, retry=FAST)
+    parts = make_parts()
+    with stalwart.CheckpointManager(
+        run, keep_last=2, durable=durable, handle_signals=False
+    ) as ckpt:
+        for step in (100, 200, 300, 400):
+            train_steps(parts, 1)
+            assert ckpt.save(step, parts.state, force=True)
+        assert ckpt.wait_durable()
+        assert ckpt.all_steps() == [300, 400]
+    tier = DurableTier(url, retry=FAST)
+    assert tier.committed_steps() == [100, 200, 300, 400]
+    old_manifests = {s: tier.manifest_bytes(s) for s in (200, 300, 400)}
+    with stalwart.CheckpointManager(
+        run, keep_last=None, durable=durable, handle_signals=False
+    ) as ckpt:
+        assert ckpt.restore(parts.state, step=100) == 100
+        (warning,) = _events(run, "restore_rollback")
+        assert "call rollback(100) on this manager first" in warning["reason"]
+        assert f"deletes them from {url}" in warning["reason"], warning["reason"]
+        assert ckpt.rollback(100) == [400, 300, 200]
+        assert tier.committed_steps() == [100]
+        assert ckpt.last_durable_step == 100
+        (aside,) = _asides(run)
+        for step, manifest in old_manifests.items():
+            assert (aside / step_dir_name(step) / MANIFEST_NAME).read_bytes() == manifest
+        deleted = [e for e in _events_all(run) if e["event"] == "durable_delete"]
+        assert [e["step"] for e in deleted] == [400, 300, 200]
+        assert all(e["reason"] == "rollback to step 100" for e in deleted)
+        train_steps(parts, 1)
+        assert ckpt.save(200, parts.state, force=True) is True
+        assert ckpt.wait_durable()
+        assert tier.committed_steps() == [100, 200]
+        assert ckpt.last_durable_step == 200
+        expected = snapshot(parts)
+        new_200 = (run / step_dir_name(200) / MANIFEST_NAME).read_bytes()
+    assert tier.manifest_bytes(200) == new_200 != old_manifests[200]
+    fresh = make_parts()
+    with stalwart.CheckpointManager(
+        run, keep_last=None, durable=durable, handle_signals=False
+    ) as ckpt:
+        assert ckpt.restore(fresh.state) == 200
+    assert_same(snapshot(fresh), expected)
+
+
+def test_a_step_not_committed_changes_neither_tier(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    url = (tmp_path / "store").as_uri()
+    durable = stalwart.DurableConfig(url=url, keep_last=None, keep_every=None, retry=FAST)
+    _run(run, durable=durable)
+    tier = DurableTier(url, retry=FAST)
+    with stalwart.CheckpointManager(
+        run, keep_last=None, durable=durable, handle_signals=False
+    ) as ckpt:
+        assert ckpt.wait_durable()
+        with pytest.raises(stalwart.CheckpointNotFoundError, match="committed steps"):
+            ckpt.rollback(150)
+        assert tier.committed_steps() == list(STEPS) and ckpt.all_steps() == list(STEPS)

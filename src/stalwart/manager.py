@@ -23,7 +23,6 @@ from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointSaveError,
     CoordinationError,
-    RollbackError,
     StalwartError,
 )
 from stalwart.events import EVENTS_NAME, EventLog
@@ -34,7 +33,7 @@ from stalwart.preemption import GracePlanner, check_grace
 from stalwart.provenance import Provenance
 from stalwart.redact import redact_url
 from stalwart.restoring import RestoreWalk, warn_if_ddp_resume_inexact
-from stalwart.rollback import roll_back
+from stalwart.rollback import roll_back_tiers
 from stalwart.saving import SaveWriter, peer_failure
 from stalwart.signals import PreemptionSignals
 from stalwart.state import TrainState
@@ -314,10 +313,12 @@ class CheckpointManager:
         Returns the steps moved, newest first. Collective (rank 0 moves). The
         exact-resume certificate starts over: the steps after ``step`` are
         trained anew by design, so no comparison with the abandoned ones runs.
+        With a durable tier, its steps after ``step`` are deleted there first (one
+        only the tier holds is downloaded, to be kept aside with the others).
         Raises ``CheckpointNotFoundError`` when ``step`` is not committed and
-        ``RollbackError`` for a run with a durable tier (which holds the newer
-        steps too) or when a move failed (the steps moved before it stay moved:
-        call it again).
+        ``RollbackError`` when the tier or a move failed (what was done stays
+        done: call it again), or for a run whose events name a durable tier this
+        manager was not opened with.
         """
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -327,16 +328,7 @@ class CheckpointManager:
         def move() -> list[int]:
             if not self.is_leader:
                 return []
-            try:
-                report = roll_back(self.directory, to=step, events=self.events, take_lock=False)
-            except StalwartError:
-                raise
-            except OSError as exc:
-                raise RollbackError(
-                    f"rolling {self.directory} back to step {step} failed: {exc}; the steps "
-                    "moved before it stay moved, call rollback again"
-                ) from exc
-            return [entry["step"] for entry in report["moved"]]
+            return roll_back_tiers(self.directory, to=step, events=self.events, tiers=self.tiers)
 
         # Each rank's fingerprint log is closed before rank 0 moves the logs aside
         # with the steps (the gather below waits for every rank), and a new one begins.

@@ -210,7 +210,6 @@ class RestoreWalk:
         """Say what a run going on from ``step`` will meet when newer steps are committed."""
         if not newer or not self.coord.is_leader:
             return
-        where = str(self.directory) + (f" and {self.durable_url}" if self.durable_url else "")
         shown = ", ".join(map(str, newer[:10])) + (", ..." if len(newer) > 10 else "")
         self.events.emit(
             "restore_rollback",
@@ -221,12 +220,12 @@ class RestoreWalk:
                 f"restored step {step} while the run holds newer committed steps ({shown}): "
                 "a run that goes on from here skips saving those step numbers (a checkpoint is "
                 f"never overwritten), and a restore() without step= loads step {newer[-1]}, not "
-                f"this run's; if training goes on from step {step}, "
+                f"this run's; if training goes on from step {step}, call rollback({step}) "
+                f"on this manager first, which moves them aside, kept, in {self.directory}"
                 + (
-                    f"move those steps out of {where} first"
+                    f" and deletes them from {self.durable_url}"
                     if self.durable_url
-                    else f"call rollback({step}) on this manager first, which moves them "
-                    f"aside, kept (or, with the trainer stopped, `stalwart rollback "
+                    else f" (or, with the trainer stopped, `stalwart rollback "
                     f"{self.directory} --to {step}`)"
                 )
             ),

@@ -23,8 +23,11 @@ that is the rollback's purpose. The next restore after a rollback therefore has
 nothing earlier to compare with (``resume_unverified``) until the run records
 steps again.
 
-A run with a durable tier is refused: its newer steps are in the tier too,
-and ``restore()`` would download them again. Only the local tier is handled here.
+A run with a durable tier holds its newer steps there too, and ``restore()``
+would download them again: ``roll_back`` refuses it unless the caller rolled
+the tier back first, as ``CheckpointManager.rollback`` does
+(``TierSync.roll_back``: a step only the tier holds is downloaded, so that it
+is kept aside with the others, then the tier's newer steps are deleted).
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ import dataclasses
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stalwart.errors import CheckpointNotFoundError, RollbackError
+from stalwart.errors import CheckpointNotFoundError, DurableStoreError, RollbackError, StalwartError
 from stalwart.events import EventLog
 from stalwart.history import read_history
 from stalwart.layout import EVENTS_NAME, FINGERPRINT_DIR, step_dir_name
@@ -43,7 +46,10 @@ from stalwart.lock import RunLock
 from stalwart.redact import redact_url
 from stalwart.storage.local import LocalStorage, fsync_dir
 
-__all__ = ["ASIDE_PREFIX", "RollbackPlan", "plan_rollback", "roll_back"]
+if TYPE_CHECKING:
+    from stalwart.tiers import TierSync
+
+__all__ = ["ASIDE_PREFIX", "RollbackPlan", "plan_rollback", "roll_back", "roll_back_tiers"]
 
 ASIDE_PREFIX = ".rolled-back-"
 """Where a rollback puts the newer steps: ``<run>/.rolled-back-<step>-<12 hex>/step_N``."""
@@ -61,12 +67,13 @@ class RollbackPlan:
     """The hidden directory they go to (made only when there is something to move)."""
 
 
-def plan_rollback(run: Path, *, to: int) -> RollbackPlan:
+def plan_rollback(run: Path, *, to: int, durable_done: bool = False) -> RollbackPlan:
     """What rolling ``run`` back to step ``to`` would move; reads only.
 
     Raises ``CheckpointNotFoundError`` (naming the committed steps) when ``to`` is
     not a committed step of ``run``, and ``RollbackError`` when the run's
-    events name a durable tier.
+    events name a durable tier, unless ``durable_done`` (the manager rolled the
+    tier back already: ``TierSync.roll_back``).
     """
     if isinstance(to, bool) or not isinstance(to, int) or to < 0:
         raise ValueError(f"the step to roll back to must be an int >= 0, got {to!r}")
@@ -78,13 +85,13 @@ def plan_rollback(run: Path, *, to: int) -> RollbackPlan:
             f"no committed checkpoint of step {to} in {run} (committed steps: {shown}); "
             "a run is rolled back to one of its committed steps"
         )
-    durable = read_history(run).durable.url
+    durable = None if durable_done else read_history(run).durable.url
     if durable is not None:
         raise RollbackError(
             f"{run} uploads to the durable tier {redact_url(durable)}, which holds its steps "
-            f"too: a restore() would download the newer ones from there again. Rolling back "
-            "a run with a durable tier is not supported; move the newer steps out of both "
-            "tiers yourself, or train on in a new run directory restored from this step"
+            f"too: a restore() would download the newer ones from there again. Roll back in "
+            f"a process that opens the run with it: CheckpointManager({str(run)!r}, "
+            f"durable=URL).rollback({to}) rolls back both tiers"
         )
     newer = sorted((s for s in committed if s > to), reverse=True)
     aside = run / f"{ASIDE_PREFIX}{to}-{uuid.uuid4().hex[:12]}"
@@ -98,6 +105,7 @@ def roll_back(
     dry_run: bool = False,
     events: EventLog | None = None,
     take_lock: bool = True,
+    durable_done: bool = False,
 ) -> dict[str, Any]:
     """Move every committed step of ``run`` newer than ``to`` aside (see the module).
 
@@ -106,10 +114,11 @@ def roll_back(
     Raises what ``plan_rollback`` raises, ``RunLockedError`` when another
     process holds the run lock (a dry run only lists, without the lock), and
     ``OSError`` when a rename fails (the steps moved before it stay moved; the
-    report of a rerun lists what is left). ``take_lock=False`` is for the
-    manager, which holds the lock already.
+    report of a rerun lists what is left). ``take_lock=False`` and
+    ``durable_done`` are for the manager, which holds the lock already and
+    rolls its durable tier back first.
     """
-    plan = plan_rollback(run, to=to)
+    plan = plan_rollback(run, to=to, durable_done=durable_done)
     moved: list[dict[str, Any]] = []
     if dry_run or not plan.newer:
         return _report(plan, moved, dry_run=dry_run)
@@ -119,7 +128,7 @@ def roll_back(
     try:
         # Listed again under the lock: a manager may have saved, or another rollback
         # moved the steps, since the plan.
-        plan = plan_rollback(run, to=to)
+        plan = plan_rollback(run, to=to, durable_done=durable_done)
         if not plan.newer:
             return _report(plan, moved, dry_run=False)
         os.mkdir(plan.aside, 0o755)
@@ -154,6 +163,31 @@ def roll_back(
     finally:
         lock.release()
     return _report(plan, moved, dry_run=False, fingerprints=fingerprints)
+
+
+def roll_back_tiers(run: Path, *, to: int, events: EventLog, tiers: TierSync | None) -> list[int]:
+    """``CheckpointManager.rollback`` on the committing rank: the durable tier first
+    (``TierSync.roll_back``), then the run directory; returns the steps moved aside.
+
+    ``to`` is checked before anything changes. Raises ``CheckpointNotFoundError``
+    for a step not committed, and ``RollbackError`` when the tier or a rename
+    failed (what was done stays done; a rerun finishes).
+    """
+    plan_rollback(run, to=to, durable_done=tiers is not None)
+    try:
+        if tiers is not None:
+            tiers.roll_back(to, LocalStorage(run).committed_steps())
+        report = roll_back(
+            run, to=to, events=events, take_lock=False, durable_done=tiers is not None
+        )
+    except (DurableStoreError, OSError) as exc:
+        if isinstance(exc, StalwartError) and not isinstance(exc, DurableStoreError):
+            raise
+        raise RollbackError(
+            f"rolling {run} back to step {to} failed: {exc}; what was moved or deleted "
+            "before it stays so, call rollback again to finish"
+        ) from exc
+    return [entry["step"] for entry in report["moved"]]
 
 
 def _report(

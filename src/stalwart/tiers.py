@@ -291,6 +291,28 @@ class TierSync:
             throughput_MBps=round(manifest.total_bytes / 1e6 / max(seconds, 1e-9), 1),
         )
 
+    def roll_back(self, to: int, local: list[int]) -> list[int]:
+        """The durable side of a rollback to ``to``: its steps after ``to`` leave the tier.
+
+        Waits for the uploads in flight, downloads every step after ``to`` that
+        only the tier holds into the primary tier (``local`` lists its committed
+        steps), so that the rollback keeps it aside with the others, then
+        deletes them from the tier, newest first, each a ``durable_delete``
+        event. Returns the steps deleted. Raises ``DurableStoreError`` (the tier
+        unreachable) or what a download raises; a rollback cut short here has
+        moved nothing in the primary tier, and a rerun finishes it.
+        """
+        self.uploader.wait()
+        remote = self.tier.committed_steps()
+        newer = sorted((s for s in remote if s > to), reverse=True)
+        for step in sorted(set(newer) - set(local)):
+            self.download(step)
+        for step in newer:
+            self.tier.delete(step)
+            self.events.emit("durable_delete", step=step, reason=f"rollback to step {to}")
+        self.uploader.forget_after(to, max((s for s in remote if s <= to), default=None))
+        return newer
+
     @contextlib.contextmanager
     def holding(self) -> Iterator[set[int]]:
         """Steps local retention must keep (queued or uploading), held steady for the block."""

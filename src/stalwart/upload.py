@@ -95,6 +95,14 @@ class Uploader:
                 )
             self._cond.notify_all()
 
+    def forget_after(self, step: int, durable: int | None) -> None:
+        """After a rollback to ``step`` (the queue drained): the steps after it no longer
+        exist, so a later upload of their numbers counts again; ``durable`` is the
+        newest step the tier still holds."""
+        with self._cond:
+            self._gave_up = {s for s in self._gave_up if s <= step}
+            self.last_durable_step = durable
+
     @contextlib.contextmanager
     def holding(self) -> Iterator[set[int]]:
         """Steps that local retention must keep, held steady for the duration of the block."""

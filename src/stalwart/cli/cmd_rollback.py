@@ -34,7 +34,9 @@ the run lock:
 
 a durable tier:
   A run whose events name a durable tier is refused (exit 2): the tier holds
-  the newer steps too, and a restore() would download them again.
+  the newer steps too, and a restore() would download them again. Roll back
+  in Python instead: CheckpointManager(RUN, durable=URL).rollback(STEP) rolls
+  back both tiers.
 
 exit status:
   0  done (or, with --dry-run, listed); also when no step is newer than STEP
