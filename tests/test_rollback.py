@@ -397,3 +397,28 @@ def test_a_step_not_committed_changes_neither_tier(tmp_path: Path) -> None:
         with pytest.raises(stalwart.CheckpointNotFoundError, match="committed steps"):
             ckpt.rollback(150)
         assert tier.committed_steps() == list(STEPS) and ckpt.all_steps() == list(STEPS)
+
+
+def test_a_tier_that_fails_stops_the_rollback_before_the_run_changes(tmp_path: Path) -> None:
+    """The store stops answering (its root replaced by a file) after the manager opened:
+    the rollback raises, the run directory is as it was, and a rerun, once the store
+    is back, finishes."""
+    run, store = tmp_path / "run", tmp_path / "store"
+    durable = stalwart.DurableConfig(
+        url=store.as_uri(), keep_last=None, keep_every=None, retry=FAST
+    )
+    _run(run, durable=durable)
+    with stalwart.CheckpointManager(
+        run, keep_last=None, durable=durable, handle_signals=False
+    ) as ckpt:
+        assert ckpt.wait_durable()
+        store.rename(tmp_path / "away")
+        store.write_text("not a store")
+        before = _listing(run)
+        with pytest.raises(stalwart.RollbackError, match="back to step 100 failed"):
+            ckpt.rollback(100)
+        assert _listing(run) == before and ckpt.all_steps() == list(STEPS)
+        store.unlink()
+        (tmp_path / "away").rename(store)
+        assert ckpt.rollback(100) == [300, 200]
+    assert DurableTier(store.as_uri(), retry=FAST).committed_steps() == [100]

@@ -176,7 +176,8 @@ def roll_back_tiers(run: Path, *, to: int, events: EventLog, tiers: TierSync | N
     plan_rollback(run, to=to, durable_done=tiers is not None)
     try:
         if tiers is not None:
-            tiers.roll_back(to, LocalStorage(run).committed_steps())
+            uploaded = read_history(run).durable.steps
+            tiers.roll_back(to, LocalStorage(run).committed_steps(), uploaded=uploaded)
         report = roll_back(
             run, to=to, events=events, take_lock=False, durable_done=tiers is not None
         )

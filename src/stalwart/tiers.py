@@ -291,19 +291,41 @@ class TierSync:
             throughput_MBps=round(manifest.total_bytes / 1e6 / max(seconds, 1e-9), 1),
         )
 
-    def roll_back(self, to: int, local: list[int]) -> list[int]:
+    def roll_back(self, to: int, local: list[int], *, uploaded: set[int]) -> list[int]:
         """The durable side of a rollback to ``to``: its steps after ``to`` leave the tier.
+
+        ``uploaded`` is what the run's events say the tier holds: a step among them
+        that the tier does not list stops the rollback before anything changes.
 
         Waits for the uploads in flight, downloads every step after ``to`` that
         only the tier holds into the primary tier (``local`` lists its committed
         steps), so that the rollback keeps it aside with the others, then
         deletes them from the tier, newest first, each a ``durable_delete``
         event. Returns the steps deleted. Raises ``DurableStoreError`` (the tier
-        unreachable) or what a download raises; a rollback cut short here has
+        unreachable, or uploads still pending after ``close_timeout``) or what a
+        download raises; a rollback cut short here has
         moved nothing in the primary tier, and a rerun finishes it.
         """
-        self.uploader.wait()
+        if not self.uploader.wait(self.config.close_timeout):
+            raise DurableStoreError(
+                f"uploads to {redact_url(self.config.url).rstrip('/')} still pending after "
+                f"DurableConfig.close_timeout={self.config.close_timeout} s (is the store "
+                "reachable?)",
+                transient=True,
+            )
         remote = self.tier.committed_steps()
+        missing = sorted(s for s in uploaded if s > to and s not in remote)
+        if missing:
+            # A store that cannot list (a wrong root, an outage answered with an empty
+            # page) looks empty: deleting nothing there would leave those steps to a
+            # later restore. Stop before anything changes.
+            raise DurableStoreError(
+                f"{redact_url(self.config.url).rstrip('/')} does not list steps "
+                f"{', '.join(map(str, missing[:10]))}, which this run's events say were "
+                "uploaded and never deleted: is the store reachable, with the URL it had? "
+                "(Steps removed from the store by hand must be rolled back by hand.)",
+                transient=True,
+            )
         newer = sorted((s for s in remote if s > to), reverse=True)
         for step in sorted(set(newer) - set(local)):
             self.download(step)
