@@ -564,3 +564,10 @@ class Certificate:
 
     def close(self) -> None:
         self._log.close()
+
+    def restart(self) -> None:
+        """Close this attempt's log and begin a new attempt with nothing to compare: after
+        a rollback moved the logs aside with the steps it abandoned (``stalwart.rollback``)."""
+        self._log.close()
+        fresh = Certificate(self.folder.parent.parent, rank=self.rank, world_size=self.world_size)
+        self.__dict__.update(vars(fresh))  # the manager keeps its reference

@@ -33,7 +33,7 @@ from stalwart.preemption import GracePlanner, check_grace
 from stalwart.provenance import Provenance
 from stalwart.redact import redact_url
 from stalwart.restoring import RestoreWalk, warn_if_ddp_resume_inexact
-from stalwart.rollback import roll_back_tiers
+from stalwart.rollback import rollback_run
 from stalwart.saving import SaveWriter, peer_failure
 from stalwart.signals import PreemptionSignals
 from stalwart.state import TrainState
@@ -304,41 +304,13 @@ class CheckpointManager:
         return max(self.all_steps(), default=None)
 
     def rollback(self, step: int) -> list[int]:
-        """Make ``step`` the run's newest committed step again, for training to go on from it.
-
-        Every committed step newer than ``step`` is moved aside, kept, into
-        ``<directory>/.rolled-back-<step>-<hex>/`` (``stalwart.rollback``): then
-        ``restore()`` loads ``step`` (or what is saved after it) and saves of
-        those step numbers are written again. Waits for a save in flight first.
-        Returns the steps moved, newest first. Collective (rank 0 moves). The
-        exact-resume certificate starts over: the steps after ``step`` are
-        trained anew by design, so no comparison with the abandoned ones runs.
-        With a durable tier, its steps after ``step`` are deleted there first (one
-        only the tier holds is downloaded, to be kept aside with the others).
-        Raises ``CheckpointNotFoundError`` when ``step`` is not committed and
-        ``RollbackError`` when the tier or a move failed (what was done stays
-        done: call it again), or for a run whose events name a durable tier this
-        manager was not opened with.
-        """
+        """Set the steps after ``step`` aside, kept (and delete them from the durable tier),
+        for training to go on from ``step``; returns them. Collective. ``stalwart.rollback``."""
         self._check_open()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"the step to roll back to must be an int >= 0, got {step!r}")
         self.wait()
-
-        def move() -> list[int]:
-            if not self.is_leader:
-                return []
-            return roll_back_tiers(self.directory, to=step, events=self.events, tiers=self.tiers)
-
-        # Each rank's fingerprint log is closed before rank 0 moves the logs aside
-        # with the steps (the gather below waits for every rank), and a new one begins.
-        self._certificate.close()
-        try:
-            return self._coord.agree_all(move)[0]
-        finally:
-            self._certificate = Certificate(
-                self.directory, rank=self.rank, world_size=self.world_size
-            )
+        return rollback_run(
+            self._coord, self._certificate, self.directory, step, self.events, self.tiers
+        )
 
     def should_save(self, step: int) -> bool:
         """Whether the policy (or a pending preemption) asks for a save at ``step``, on this rank.
@@ -541,7 +513,8 @@ class CheckpointManager:
                     self._saver.close()
             finally:
                 self._writer.deletions.wait()
-                self._finish_uploads()
+                if self.tiers is not None:
+                    self.tiers.close(self.latest_step(), self.directory)
         finally:
             self._signals.uninstall()
             self._lock.release()
@@ -553,10 +526,6 @@ class CheckpointManager:
             for coord in (self._coord, self._async_coord):
                 if coord is not None:
                     coord.destroy()
-
-    def _finish_uploads(self) -> None:
-        if self.tiers is not None:
-            self.tiers.close(self.latest_step(), self.directory)
 
     def _check_open(self) -> None:
         if self._closed:

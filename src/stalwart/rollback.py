@@ -47,9 +47,18 @@ from stalwart.redact import redact_url
 from stalwart.storage.local import LocalStorage, fsync_dir
 
 if TYPE_CHECKING:
+    from stalwart.certificate import Certificate
+    from stalwart.distributed import Coordinator
     from stalwart.tiers import TierSync
 
-__all__ = ["ASIDE_PREFIX", "RollbackPlan", "plan_rollback", "roll_back", "roll_back_tiers"]
+__all__ = [
+    "ASIDE_PREFIX",
+    "RollbackPlan",
+    "plan_rollback",
+    "roll_back",
+    "roll_back_tiers",
+    "rollback_run",
+]
 
 ASIDE_PREFIX = ".rolled-back-"
 """Where a rollback puts the newer steps: ``<run>/.rolled-back-<step>-<12 hex>/step_N``."""
@@ -163,6 +172,35 @@ def roll_back(
     finally:
         lock.release()
     return _report(plan, moved, dry_run=False, fingerprints=fingerprints)
+
+
+def rollback_run(
+    coord: Coordinator,
+    certificate: Certificate,
+    directory: Path,
+    step: int,
+    events: EventLog,
+    tiers: TierSync | None,
+) -> list[int]:
+    """``CheckpointManager.rollback``: every rank together, rank 0 moving (``roll_back_tiers``).
+
+    ``step`` is checked on every rank before the collective, so a bad one is a
+    ``ValueError`` everywhere. Every rank gets rank 0's list of steps moved, or
+    its error. The certificate begins a new attempt either way: its logs went
+    aside with the steps (or will, on the rerun a failure calls for).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"the step to roll back to must be an int >= 0, got {step!r}")
+
+    def move() -> list[int]:
+        if not coord.is_leader:
+            return []
+        return roll_back_tiers(directory, to=step, events=events, tiers=tiers)
+
+    try:
+        return coord.agree_all(move)[0]
+    finally:
+        certificate.restart()
 
 
 def roll_back_tiers(run: Path, *, to: int, events: EventLog, tiers: TierSync | None) -> list[int]:
