@@ -353,9 +353,10 @@ class References:
         if cold:
             self.page_cache_drop = drop_page_cache(path) and self.page_cache_drop
 
-    def _into_buffers(self, f: Any) -> None:
-        """Read ``f`` from its position on into ``self.buffers``, one after the other."""
-        for b in self.buffers:
+    def _into_buffers(self, f: Any, targets: list[torch.Tensor] | None = None) -> None:
+        """Read ``f`` from its position on into ``targets`` (default ``self.buffers``),
+        one after the other."""
+        for b in self.buffers if targets is None else targets:
             f.readinto(memoryview(b.reshape(-1).view(torch.uint8).numpy()))
 
     def read(self, path: Path, *, cold: bool) -> float:
@@ -407,14 +408,13 @@ class References:
                 digest.update(chunk[:n])
             digest.hexdigest()
             f.seek(0)
-            if not fresh:
-                self._into_buffers(f)
-                return time.perf_counter() - t0
-            targets = self.buffers[: self.fresh_from] + [
-                torch.empty_like(t) for t in self.tensors[self.fresh_from :]
-            ]
-            for b in targets:
-                f.readinto(memoryview(b.reshape(-1).view(torch.uint8).numpy()))
+            targets = (
+                self.buffers[: self.fresh_from]
+                + [torch.empty_like(t) for t in self.tensors[self.fresh_from :]]
+                if fresh
+                else self.buffers
+            )
+            self._into_buffers(f, targets)
         elapsed = time.perf_counter() - t0
         del targets
         return elapsed

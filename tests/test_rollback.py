@@ -422,3 +422,21 @@ def test_a_tier_that_fails_stops_the_rollback_before_the_run_changes(tmp_path: P
         (tmp_path / "away").rename(store)
         assert ckpt.rollback(100) == [300, 200]
     assert DurableTier(store.as_uri(), retry=FAST).committed_steps() == [100]
+
+
+def test_a_step_set_aside_comes_back_with_a_rename_and_restores_exactly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the docs say undoes a rollback: rename the step back; it is the run's
+    newest again and restores bit for bit."""
+    run = tmp_path / "run"
+    parts = _run(run)
+    expected = snapshot(parts)
+    assert main(["rollback", str(run), "--to", "100", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (newest,) = [m for m in report["moved"] if m["step"] == 300]
+    os.rename(newest["to"], run / step_dir_name(300))
+    fresh = make_parts()
+    with stalwart.CheckpointManager(run, keep_last=None, handle_signals=False) as ckpt:
+        assert ckpt.restore(fresh.state) == 300
+    assert_same(snapshot(fresh), expected)

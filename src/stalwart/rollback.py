@@ -76,6 +76,16 @@ class RollbackPlan:
     """The hidden directory they go to (made only when there is something to move)."""
 
 
+def _check_step(step: object) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"the step to roll back to must be an int >= 0, got {step!r}")
+
+
+def _entry(aside: Path, step: int) -> dict[str, Any]:
+    """One step of the report: its number, its directory's name, where it goes."""
+    return {"step": step, "name": step_dir_name(step), "to": str(aside / step_dir_name(step))}
+
+
 def plan_rollback(run: Path, *, to: int, durable_done: bool = False) -> RollbackPlan:
     """What rolling ``run`` back to step ``to`` would move; reads only.
 
@@ -84,8 +94,7 @@ def plan_rollback(run: Path, *, to: int, durable_done: bool = False) -> Rollback
     events name a durable tier, unless ``durable_done`` (the manager rolled the
     tier back already: ``TierSync.roll_back``).
     """
-    if isinstance(to, bool) or not isinstance(to, int) or to < 0:
-        raise ValueError(f"the step to roll back to must be an int >= 0, got {to!r}")
+    _check_step(to)
     storage = LocalStorage(run)
     committed = storage.committed_steps()
     if to not in committed:
@@ -153,10 +162,10 @@ def roll_back(
                 fsync_dir(plan.aside)
                 fsync_dir(run)
             for step in plan.newer:
-                name = step_dir_name(step)
-                os.rename(run / name, plan.aside / name)
+                entry = _entry(plan.aside, step)
+                os.rename(run / entry["name"], entry["to"])
                 # Moved from here on, durable or not yet: the event must say so.
-                moved.append({"step": step, "name": name, "to": str(plan.aside / name)})
+                moved.append(entry)
                 fsync_dir(plan.aside)
                 fsync_dir(run)
         finally:
@@ -165,7 +174,7 @@ def roll_back(
                     "rollback",
                     step=to,
                     moved=[m["step"] for m in moved],
-                    left=[s for s in plan.newer if s not in {m["step"] for m in moved}],
+                    left=plan.newer[len(moved) :],
                     path=str(plan.aside),
                     fingerprints=fingerprints,
                 )
@@ -189,8 +198,7 @@ def rollback_run(
     its error. The certificate begins a new attempt either way: its logs went
     aside with the steps (or will, on the rerun a failure calls for).
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"the step to roll back to must be an int >= 0, got {step!r}")
+    _check_step(step)
 
     def move() -> list[int]:
         if not coord.is_leader:
@@ -219,14 +227,20 @@ def roll_back_tiers(run: Path, *, to: int, events: EventLog, tiers: TierSync | N
         report = roll_back(
             run, to=to, events=events, take_lock=False, durable_done=tiers is not None
         )
-    except (DurableStoreError, OSError) as exc:
-        if isinstance(exc, StalwartError) and not isinstance(exc, DurableStoreError):
-            raise
-        raise RollbackError(
-            f"rolling {run} back to step {to} failed: {exc}; what was moved or deleted "
-            "before it stays so, call rollback again to finish"
-        ) from exc
+    except DurableStoreError as exc:  # an OSError and a StalwartError: the tier failed
+        raise _failed(run, to, exc) from exc
+    except StalwartError:
+        raise  # CheckpointNotFoundError (an OSError too), RollbackError: already said
+    except OSError as exc:
+        raise _failed(run, to, exc) from exc
     return [entry["step"] for entry in report["moved"]]
+
+
+def _failed(run: Path, to: int, exc: OSError) -> RollbackError:
+    return RollbackError(
+        f"rolling {run} back to step {to} failed: {exc}; what was moved or deleted "
+        "before it stays so, call rollback again to finish"
+    )
 
 
 def _report(
@@ -236,14 +250,7 @@ def _report(
     dry_run: bool,
     fingerprints: str | None = None,
 ) -> dict[str, Any]:
-    listed = (
-        [
-            {"step": s, "name": step_dir_name(s), "to": str(plan.aside / step_dir_name(s))}
-            for s in plan.newer
-        ]
-        if dry_run
-        else moved
-    )
+    listed = [_entry(plan.aside, s) for s in plan.newer] if dry_run else moved
     return {
         "run": str(plan.run),
         "to": plan.to,

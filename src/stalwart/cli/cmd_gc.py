@@ -40,14 +40,13 @@ from stalwart.cli.common import (
     EXIT_BAD,
     EXIT_OK,
     UsageError,
-    classify,
-    existing_dir,
     format_bytes,
     is_url,
     listing_error,
     make_console,
     new_table,
     open_tier,
+    run_directory,
     store_error,
 )
 from stalwart.cli.units import parse_duration
@@ -162,12 +161,7 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
         else:
             _render_store(report, out)
         return EXIT_OK if report["ok"] else EXIT_BAD
-    directory = existing_dir(args.run)
-    if classify(directory) == "checkpoint":
-        raise UsageError(
-            f"{args.run} is a checkpoint directory, and `gc` sweeps a run; "
-            f"try `stalwart gc {directory.resolve().parent}`"
-        )
+    directory = run_directory(args.run, lambda run: f"`gc` sweeps a run; try `stalwart gc {run}`")
     report = collect_garbage(
         directory,
         grace=args.grace,

@@ -20,8 +20,6 @@ from stalwart.cli.common import (
     EXIT_BAD,
     EXIT_OK,
     UsageError,
-    classify,
-    existing_dir,
     format_bytes,
     format_mapping,
     format_seconds,
@@ -34,6 +32,7 @@ from stalwart.cli.common import (
     open_tier,
     progress_bar,
     read_history,
+    run_directory,
     store_error,
 )
 from stalwart.cli.timeline import INCIDENT_EVENTS, describe_incident
@@ -137,12 +136,10 @@ def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
         else:
             _render_store(report, out)
         return EXIT_BAD if report["counts"]["corrupt"] else EXIT_OK
-    directory = existing_dir(args.run)
-    if classify(directory) == "checkpoint":
-        raise UsageError(
-            f"{args.run} is a checkpoint directory, and `ls` lists a run; "
-            f"try `stalwart inspect {args.run}`, or `stalwart ls {directory.resolve().parent}`"
-        )
+    directory = run_directory(
+        args.run,
+        lambda run: f"`ls` lists a run; try `stalwart inspect {args.run}`, or `stalwart ls {run}`",
+    )
     report = list_run(directory, verify=args.verify, warn=err)
     if args.json:
         out.write(json.dumps(report, indent=2, allow_nan=True) + "\n")

@@ -14,12 +14,11 @@ from typing import Any, TextIO
 from stalwart.cli.common import (
     EXIT_OK,
     UsageError,
-    classify,
-    existing_dir,
     format_bytes,
     format_seconds,
     format_time,
     make_console,
+    run_directory,
 )
 from stalwart.cli.timeline import draw_timeline, read_run, render_html, summarize
 from stalwart.errors import StalwartError
@@ -79,12 +78,10 @@ def _require_matplotlib() -> None:
 
 
 def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
-    directory = existing_dir(args.run)
-    if classify(directory) == "checkpoint":
-        raise UsageError(
-            f"{args.run} is a checkpoint directory, and `report` reads a run's "
-            f"{EVENTS_NAME}; try `stalwart report {directory.resolve().parent}`"
-        )
+    directory = run_directory(
+        args.run,
+        lambda run: f"`report` reads a run's {EVENTS_NAME}; try `stalwart report {run}`",
+    )
     events = directory / EVENTS_NAME
     if not events.is_file():
         raise StalwartError(

@@ -13,7 +13,7 @@ import json
 import textwrap
 from typing import Any, TextIO
 
-from stalwart.cli.common import EXIT_OK, UsageError, classify, existing_dir
+from stalwart.cli.common import EXIT_OK, UsageError, run_directory
 from stalwart.errors import CheckpointNotFoundError, RollbackError
 from stalwart.rollback import roll_back
 
@@ -76,12 +76,10 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace, *, out: TextIO, err: TextIO) -> int:
     if args.to < 0:
         raise UsageError(f"--to is a step number >= 0, got {args.to}")
-    directory = existing_dir(args.run)
-    if classify(directory) == "checkpoint":
-        raise UsageError(
-            f"{args.run} is a checkpoint directory, and `rollback` works on a run; "
-            f"try `stalwart rollback {directory.resolve().parent} --to {args.to}`"
-        )
+    directory = run_directory(
+        args.run,
+        lambda run: f"`rollback` works on a run; try `stalwart rollback {run} --to {args.to}`",
+    )
     try:
         report = roll_back(directory, to=args.to, dry_run=args.dry_run)
     except (CheckpointNotFoundError, RollbackError) as exc:

@@ -11,7 +11,7 @@ import argparse
 import datetime
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
@@ -52,6 +52,7 @@ __all__ = [
     "progress_bar",
     "read_history",
     "resolve_checkpoint",
+    "run_directory",
     "store_error",
 ]
 
@@ -102,6 +103,17 @@ def classify(path: Path) -> Literal["run", "checkpoint"]:
             f"{EVENTS_NAME}) nor a checkpoint directory (no {MANIFEST_NAME})"
         )
     return kind
+
+
+def run_directory(text: str, refusal: Callable[[Path], str]) -> Path:
+    """The run directory named on the command line. A checkpoint directory is a
+    ``UsageError``: "TEXT is a checkpoint directory, and " + ``refusal(its run)``."""
+    directory = existing_dir(text)
+    if classify(directory) == "checkpoint":
+        raise UsageError(
+            f"{text} is a checkpoint directory, and {refusal(directory.resolve().parent)}"
+        )
+    return directory
 
 
 def name_step(path: Path) -> int | None:
