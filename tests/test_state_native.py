@@ -9,11 +9,13 @@ moved by a scheduler, optimizer state appearing for more parameters.
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import textwrap
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -178,3 +180,79 @@ def test_ddp_keys_drop_the_wrapper_prefix_like_dcp(tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert int(proc.stdout.split("rebuilt")[1]) >= 2, proc.stdout
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+
+
+def test_a_restore_into_objects_a_save_has_seen_reads_into_the_rebuild(tmp_path) -> None:
+    """After a save learned the structure, a restore into the same objects takes the
+    rebuild (one ``model.state_dict()``, no DCP mapping) and is exact."""
+    torch.manual_seed(4)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = stalwart.TrainState(model=model, optimizer=opt)
+    step(model, opt)
+    ckpt = stalwart.CheckpointManager(tmp_path / "run", async_save=False, handle_signals=False)
+    try:
+        ckpt.save(1, state, force=True)
+        saved = _snapshot(model, opt)
+        weight = model[0].weight
+        for _ in range(2):
+            step(model, opt)
+        calls = []
+        model.register_state_dict_post_hook(lambda *_: calls.append(1))
+        before = state._native.rebuilt
+        ckpt.restore(state, step=1)
+        assert state._native.rebuilt == before + 1
+        assert len(calls) == 1
+        assert model[0].weight is weight  # loaded in place, into the live parameter
+        assert_aliases_equal(_snapshot(model, opt), saved)
+    finally:
+        ckpt.close()
+
+
+def test_a_restore_after_the_structure_changed_goes_back_to_dcp(tmp_path) -> None:
+    """A buffer registered after the save (a key the checkpoint lacks): the learned
+    structure no longer matches, so DCP maps the keys, and strict restore refuses
+    with the state untouched; a non-strict one loads what was saved."""
+    torch.manual_seed(5)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = stalwart.TrainState(model=model, optimizer=opt)
+    step(model, opt)
+    ckpt = stalwart.CheckpointManager(tmp_path / "run", async_save=False, handle_signals=False)
+    try:
+        ckpt.save(1, state, force=True)
+        saved = _snapshot(model, opt)
+        step(model, opt)
+        model[1].register_buffer("seen", torch.ones(3))
+        now = _snapshot(model, opt)
+        before = state._native.rebuilt
+        with pytest.raises(stalwart.StateMismatchError, match="seen"):
+            ckpt.restore(state, step=1)
+        assert_aliases_equal(_snapshot(model, opt), now)
+        ckpt.restore(state, step=1, strict=False)
+        assert state._native.rebuilt == before
+        restored = _snapshot(model, opt)
+        assert torch.equal(restored["model"].pop("1.seen"), torch.ones(3))
+        assert_aliases_equal(restored, saved)
+    finally:
+        ckpt.close()
+
+
+def assert_aliases_equal(a: Any, b: Any, where: str = "") -> None:
+    """Equal values, structure and plain entries (tensors compared bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), (where, list(a), list(b))
+        for k in a:
+            assert_aliases_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_aliases_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)

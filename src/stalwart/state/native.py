@@ -1,4 +1,5 @@
-"""The fast path of ``get_state_dict`` for a model of plain tensors, taken on saves."""
+"""The fast path of ``get_state_dict`` for a model of plain tensors, taken on saves
+and by restores into objects a save has seen."""
 
 from __future__ import annotations
 
@@ -38,9 +39,19 @@ class NativeStateDict:
         self.learned = 0  # checks of a rebuild against DCP
 
     def __call__(
-        self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], fresh: bool
+        self,
+        model: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        fresh: bool,
+        *,
+        learn: bool = True,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        if fresh or _is_sharded(model):
+        """``get_state_dict(model, optimizers)``, rebuilt when this structure was checked.
+
+        ``learn=False`` (a restore): nothing is checked here, so a structure not
+        yet learned costs one DCP call, as without this class; the saves learn it.
+        """
+        if fresh or _is_sharded(model) or (not learn and self._structure is None):
             return get_state_dict(model, optimizers)
         plain = model.state_dict(keep_vars=True)
         structure = _structure_of(plain, optimizers)
@@ -48,9 +59,10 @@ class NativeStateDict:
             self.rebuilt += 1
             return self._rebuild(plain, optimizers)
         model_sd, optim_sd = get_state_dict(model, optimizers)
-        self._structure = None
-        if structure is not None and structure != self._rejected:
-            self._learn(structure, plain, optimizers, model_sd, optim_sd)
+        if learn:
+            self._structure = None
+            if structure is not None and structure != self._rejected:
+                self._learn(structure, plain, optimizers, model_sd, optim_sd)
         return model_sd, optim_sd
 
     def _learn(

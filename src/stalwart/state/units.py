@@ -10,7 +10,6 @@ from torch.distributed.checkpoint._traverse import traverse_state_dict
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
     set_state_dict,
@@ -106,7 +105,10 @@ class Unit:
     def live(self, tree: dict[str, Any]) -> None:
         """Put the live state dicts (DCP loads into them in place) into ``tree``."""
         if self.optimizers:
-            model_sd, optim_sd = get_state_dict(self.module, self._optim_arg())
+            # The saves' fast path where a save checked this structure against DCP's
+            # get_state_dict (its tensors are the live ones); else DCP's, once.
+            fresh = any(not opt.state for opt in self.optimizers)
+            model_sd, optim_sd = self.native(self.module, self.optimizers, fresh, learn=False)
             if self.model_path is not None:
                 put_at(tree, self.model_path, model_sd)
             assert self.optim_path is not None
