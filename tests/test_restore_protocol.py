@@ -28,6 +28,7 @@ from stalwart import reader
 from stalwart.pipeline import load_checkpoint
 from stalwart.restore_protocol import Restorable, RestorePlan
 from stalwart.safe_load import read_dcp_metadata
+from stalwart.state import native
 
 from .conftest import assert_same, flip_byte, make_parts, train_steps
 from .support.interrupts import open_fds
@@ -115,14 +116,17 @@ def test_a_plan_whose_check_fails_is_discarded_and_never_applied(tmp_path: Path)
 
 
 @pytest.mark.parametrize("fresh", [True, False], ids=["fresh-optimizer", "stepped-optimizer"])
-def test_a_restore_builds_the_live_state_dicts_once(tmp_path: Path, fresh: bool) -> None:
-    """One ``model.state_dict()`` and one ``optimizer.state_dict()`` per restore: DCP's
-    ``get_state_dict`` runs once, for the check and the in-place load together."""
+def test_a_restore_builds_the_live_state_dicts_once(
+    tmp_path: Path, fresh: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP's ``get_state_dict`` runs at most once per restore, for the check and the
+    in-place load together; a restore into objects whose structure is known (here:
+    the second) takes the rebuild, with one ``model.state_dict()`` and no DCP call."""
     ckpt, weights = saved_checkpoint(tmp_path / "run")
     parts = make_parts()
     if not fresh:
         train_steps(parts, 1)
-    calls = {"model": 0, "optimizer": 0}
+    calls = {"model": 0, "optimizer": 0, "dcp": 0}
 
     def count(name: str) -> Any:
         def hook(*_: Any) -> None:
@@ -130,12 +134,24 @@ def test_a_restore_builds_the_live_state_dicts_once(tmp_path: Path, fresh: bool)
 
         return hook
 
+    real = native.get_state_dict
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["dcp"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native, "get_state_dict", counted)
     parts.model.register_state_dict_post_hook(count("model"))
     parts.optimizer.register_state_dict_pre_hook(count("optimizer"))
     load_checkpoint(ckpt, parts.state)
-    assert calls == {"model": 1, "optimizer": 1}
+    assert calls["dcp"] == 1
     assert_same(dict(parts.model.state_dict()), weights)
     assert parts.optimizer.state  # the saved Adam moments came back
+    train_steps(parts, 1)
+    calls.update(model=0, optimizer=0, dcp=0)
+    load_checkpoint(ckpt, parts.state)
+    assert calls == {"model": 1, "optimizer": 1, "dcp": 0}
+    assert_same(dict(parts.model.state_dict()), weights)
 
 
 WORKER = textwrap.dedent(

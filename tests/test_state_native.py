@@ -215,8 +215,9 @@ def test_a_restore_into_objects_a_save_has_seen_reads_into_the_rebuild(tmp_path)
 
 def test_a_restore_after_the_structure_changed_goes_back_to_dcp(tmp_path) -> None:
     """A buffer registered after the save (a key the checkpoint lacks): the learned
-    structure no longer matches, so DCP maps the keys, and strict restore refuses
-    with the state untouched; a non-strict one loads what was saved."""
+    structure no longer matches, so DCP maps the keys (and the new structure is
+    checked), strict restore refuses with the state untouched, and a non-strict
+    one loads what was saved."""
     torch.manual_seed(5)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -229,12 +230,13 @@ def test_a_restore_after_the_structure_changed_goes_back_to_dcp(tmp_path) -> Non
         step(model, opt)
         model[1].register_buffer("seen", torch.ones(3))
         now = _snapshot(model, opt)
-        before = state._native.rebuilt
+        before, learned = state._native.rebuilt, state._native.learned
         with pytest.raises(stalwart.StateMismatchError, match="seen"):
             ckpt.restore(state, step=1)
+        assert (state._native.rebuilt, state._native.learned) == (before, learned + 1)
         assert_aliases_equal(_snapshot(model, opt), now)
-        ckpt.restore(state, step=1, strict=False)
-        assert state._native.rebuilt == before
+        ckpt.restore(state, step=1, strict=False)  # the new structure, checked by the last
+        assert state._native.rebuilt == before + 1
         restored = _snapshot(model, opt)
         assert torch.equal(restored["model"].pop("1.seen"), torch.ones(3))
         assert_aliases_equal(restored, saved)

@@ -1,5 +1,5 @@
-"""The fast path of ``get_state_dict`` for a model of plain tensors, taken on saves
-and by restores into objects a save has seen."""
+"""The fast path of ``get_state_dict`` for a model of plain tensors, taken by saves
+and restores."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ class NativeStateDict:
     state objects, equal param groups) do later saves with that structure take
     the rebuild. Anything else (a sharded model, a hook that changes the keys,
     an optimizer that has not stepped yet) always goes through DCP.
+
+    A restore's live state dicts (the targets DCP reads into in place) come from
+    here too, so a restore into objects a save or restore has seen skips DCP's
+    mapping, and a restart's first restore learns the structure for the saves.
     """
 
     def __init__(self) -> None:
@@ -39,19 +43,9 @@ class NativeStateDict:
         self.learned = 0  # checks of a rebuild against DCP
 
     def __call__(
-        self,
-        model: torch.nn.Module,
-        optimizers: list[torch.optim.Optimizer],
-        fresh: bool,
-        *,
-        learn: bool = True,
+        self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], fresh: bool
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``get_state_dict(model, optimizers)``, rebuilt when this structure was checked.
-
-        ``learn=False`` (a restore): nothing is checked here, so a structure not
-        yet learned costs one DCP call, as without this class; the saves learn it.
-        """
-        if fresh or _is_sharded(model) or (not learn and self._structure is None):
+        if fresh or _is_sharded(model):
             return get_state_dict(model, optimizers)
         plain = model.state_dict(keep_vars=True)
         structure = _structure_of(plain, optimizers)
@@ -59,10 +53,9 @@ class NativeStateDict:
             self.rebuilt += 1
             return self._rebuild(plain, optimizers)
         model_sd, optim_sd = get_state_dict(model, optimizers)
-        if learn:
-            self._structure = None
-            if structure is not None and structure != self._rejected:
-                self._learn(structure, plain, optimizers, model_sd, optim_sd)
+        self._structure = None
+        if structure is not None and structure != self._rejected:
+            self._learn(structure, plain, optimizers, model_sd, optim_sd)
         return model_sd, optim_sd
 
     def _learn(

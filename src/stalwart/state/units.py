@@ -105,10 +105,10 @@ class Unit:
     def live(self, tree: dict[str, Any]) -> None:
         """Put the live state dicts (DCP loads into them in place) into ``tree``."""
         if self.optimizers:
-            # The saves' fast path where a save checked this structure against DCP's
-            # get_state_dict (its tensors are the live ones); else DCP's, once.
+            # The saves' fast path, checked against DCP's get_state_dict the first
+            # time it serves a structure (its tensors are the live ones).
             fresh = any(not opt.state for opt in self.optimizers)
-            model_sd, optim_sd = self.native(self.module, self.optimizers, fresh, learn=False)
+            model_sd, optim_sd = self.native(self.module, self.optimizers, fresh)
             if self.model_path is not None:
                 put_at(tree, self.model_path, model_sd)
             assert self.optim_path is not None
