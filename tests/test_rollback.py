@@ -440,3 +440,39 @@ def test_a_step_set_aside_comes_back_with_a_rename_and_restores_exactly(
     with stalwart.CheckpointManager(run, keep_last=None, handle_signals=False) as ckpt:
         assert ckpt.restore(fresh.state) == 300
     assert_same(snapshot(fresh), expected)
+
+
+def test_ls_names_what_rollbacks_set_aside_and_ignores_lookalikes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    _run(run)
+    assert main(["rollback", str(run), "--to", "200"]) == 0
+    assert main(["rollback", str(run), "--to", "100"]) == 0
+    capsys.readouterr()
+    first, second = sorted(_asides(run), key=lambda p: p.stat().st_mtime)
+    # Lookalikes: a link to a directory of steps elsewhere, a file, and a directory
+    # whose name carries a terminal escape and no step number.
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / step_dir_name(900)).mkdir(parents=True)
+    (run / f"{ASIDE_PREFIX}7-link").symlink_to(elsewhere)
+    (run / f"{ASIDE_PREFIX}8-file").write_text("not a directory")
+    crafted = run / f"{ASIDE_PREFIX}x\x1b[2J-y"
+    (crafted / step_dir_name(5)).mkdir(parents=True)
+    os.utime(crafted, (time.time() + 60, time.time() + 60))
+
+    assert main(["ls", str(run), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(a["path"], a["to"], a["steps"]) for a in report["set_aside"]] == [
+        (first.name, 200, [300]),
+        (second.name, 100, [200]),
+        (crafted.name, None, [5]),
+    ]
+    assert [e["step"] for e in report["entries"]] == [100]
+
+    assert main(["ls", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"set aside by a rollback to step 200: 300, in {first.name}/" in out
+    assert f"set aside by a rollback to step 100: 200, in {second.name}/" in out
+    assert "set aside by a rollback to step ?: 5, in .rolled-back-x\\x1b[2J-y/" in out
+    assert "\x1b" not in out and "900" not in out

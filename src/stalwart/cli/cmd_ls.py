@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import textwrap
 from pathlib import Path
 from typing import Any, TextIO
@@ -39,7 +40,9 @@ from stalwart.cli.timeline import INCIDENT_EVENTS, describe_incident
 from stalwart.errors import DurableStoreError
 from stalwart.events import read_events
 from stalwart.history import DurableHistory, RunHistory
+from stalwart.layout import step_of_dir_name
 from stalwart.redact import redact_url
+from stalwart.rollback import ASIDE_PREFIX
 from stalwart.storage.durable import DurableTier
 
 __all__ = ["add_parser", "list_run", "list_store", "run"]
@@ -188,7 +191,46 @@ def list_run(run: Path, *, verify: bool, warn: TextIO) -> dict[str, Any]:
             for step in sorted(verdicts)
         ],
         "incidents": incidents,
+        "set_aside": _set_aside(run),
     }
+
+
+def _set_aside(run: Path) -> list[dict[str, Any]]:
+    """What rollbacks moved aside, kept (``RUN/.rolled-back-N-<hex>/``): each directory,
+    the step it rolled back to, and the step directories in it, by name; oldest first.
+
+    Only real directories count (a link named so is not followed), and nothing in
+    them is read: ``stalwart verify`` checks a step there.
+    """
+    found: list[tuple[float, dict[str, Any]]] = []
+    try:
+        entries = [e for e in os.scandir(run) if e.name.startswith(ASIDE_PREFIX)]
+    except OSError:
+        return []  # listing the run failed already, with its reason
+    for entry in entries:
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            when = entry.stat(follow_symlinks=False).st_mtime
+            with os.scandir(entry.path) as inside:
+                steps = [
+                    step_of_dir_name(e.name) for e in inside if e.is_dir(follow_symlinks=False)
+                ]
+        except OSError:
+            continue  # gone or unreadable since the listing: not ours to explain
+        to = entry.name.removeprefix(ASIDE_PREFIX).split("-", 1)[0]
+        found.append(
+            (
+                when,
+                {
+                    "path": entry.name,
+                    "to": int(to) if to.isascii() and to.isdigit() else None,
+                    "steps": sorted(s for s in steps if s is not None),
+                    "time": iso_utc(when),
+                },
+            )
+        )
+    return [item for _, item in sorted(found, key=lambda pair: (pair[0], pair[1]["path"]))]
 
 
 def _incidents(run: Path) -> list[dict[str, Any]]:
@@ -416,6 +458,15 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
             markup=False,
             soft_wrap=True,
         )
+    for aside in report.get("set_aside", []):
+        steps = ", ".join(map(str, aside["steps"])) or "no steps"
+        console.print(
+            f"set aside by a rollback to step {aside['to'] if aside['to'] is not None else '?'}: "
+            f"{steps}, in {_printable(aside['path'])}/ (rename a step back into the run to "
+            "use it again)",
+            markup=False,
+            soft_wrap=True,
+        )
     if durable is not None:
         for line in _durable_lines(durable):
             console.print(line, markup=False, soft_wrap=True)
@@ -429,6 +480,11 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
 
 
 _DURABLE_MARK = {True: "yes", False: "no", None: "-"}
+
+
+def _printable(name: str) -> str:
+    """``name`` with control characters (a terminal's escapes) shown as ``\\xNN``."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in name)
 
 
 def _resume_cell(resume: dict[str, Any] | None) -> Text:
