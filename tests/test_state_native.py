@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import stalwart
 
+from .conftest import assert_same
+
 
 def assert_aliases_dcp(a: Any, b: Any, where: str = "") -> None:
     """``a`` is ``b`` rebuilt: the same key order and types, tensors over the same memory
@@ -154,8 +156,8 @@ DDP_SCRIPT = textwrap.dedent(
     import os, sys, torch, torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
-    sys.path.insert(0, {tests!r})
-    from test_state_native import check, step, mlp
+    sys.path.insert(0, {root!r})
+    from tests.test_state_native import check, step, mlp
     import stalwart
     dist.init_process_group("gloo", init_method="file://" + {store!r}, rank=0, world_size=1)
     torch.manual_seed(0)
@@ -173,8 +175,8 @@ DDP_SCRIPT = textwrap.dedent(
 
 
 def test_ddp_keys_drop_the_wrapper_prefix_like_dcp(tmp_path) -> None:
-    tests = str(__import__("pathlib").Path(__file__).parent)
-    script = DDP_SCRIPT.format(tests=tests, store=str(tmp_path / "store"))
+    root = str(__import__("pathlib").Path(__file__).parent.parent)
+    script = DDP_SCRIPT.format(root=root, store=str(tmp_path / "store"))
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
@@ -208,7 +210,7 @@ def test_a_restore_into_objects_a_save_has_seen_reads_into_the_rebuild(tmp_path)
         assert state._native.rebuilt == before + 1
         assert len(calls) == 1
         assert model[0].weight is weight  # loaded in place, into the live parameter
-        assert_aliases_equal(_snapshot(model, opt), saved)
+        assert_same(_snapshot(model, opt), saved)
     finally:
         ckpt.close()
 
@@ -234,27 +236,11 @@ def test_a_restore_after_the_structure_changed_goes_back_to_dcp(tmp_path) -> Non
         with pytest.raises(stalwart.StateMismatchError, match="seen"):
             ckpt.restore(state, step=1)
         assert (state._native.rebuilt, state._native.learned) == (before, learned + 1)
-        assert_aliases_equal(_snapshot(model, opt), now)
+        assert_same(_snapshot(model, opt), now)
         ckpt.restore(state, step=1, strict=False)  # the new structure, checked by the last
         assert state._native.rebuilt == before + 1
         restored = _snapshot(model, opt)
         assert torch.equal(restored["model"].pop("1.seen"), torch.ones(3))
-        assert_aliases_equal(restored, saved)
+        assert_same(restored, saved)
     finally:
         ckpt.close()
-
-
-def assert_aliases_equal(a: Any, b: Any, where: str = "") -> None:
-    """Equal values, structure and plain entries (tensors compared bit for bit)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), (where, list(a), list(b))
-        for k in a:
-            assert_aliases_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_aliases_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
