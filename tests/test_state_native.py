@@ -10,6 +10,7 @@ moved by a scheduler, optimizer state appearing for more parameters.
 from __future__ import annotations
 
 import copy
+import functools
 import subprocess
 import sys
 import textwrap
@@ -188,17 +189,27 @@ def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
 
 
+def _saved(
+    run: Any, optimizer: Any
+) -> tuple[nn.Module, torch.optim.Optimizer, stalwart.TrainState, stalwart.CheckpointManager]:
+    """A stepped model saved at step 1 (its structure learned by that save), the manager open."""
+    model = mlp()
+    opt = optimizer(model.parameters())
+    state = stalwart.TrainState(model=model, optimizer=opt)
+    step(model, opt)
+    ckpt = stalwart.CheckpointManager(run, async_save=False, handle_signals=False)
+    ckpt.save(1, state, force=True)
+    return model, opt, state, ckpt
+
+
 def test_a_restore_into_objects_a_save_has_seen_reads_into_the_rebuild(tmp_path) -> None:
     """After a save learned the structure, a restore into the same objects takes the
     rebuild (one ``model.state_dict()``, no DCP mapping) and is exact."""
     torch.manual_seed(4)
-    model = mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state = stalwart.TrainState(model=model, optimizer=opt)
-    step(model, opt)
-    ckpt = stalwart.CheckpointManager(tmp_path / "run", async_save=False, handle_signals=False)
+    model, opt, state, ckpt = _saved(
+        tmp_path / "run", functools.partial(torch.optim.AdamW, lr=1e-2)
+    )
     try:
-        ckpt.save(1, state, force=True)
         saved = _snapshot(model, opt)
         weight = model[0].weight
         for _ in range(2):
@@ -221,13 +232,9 @@ def test_a_restore_after_the_structure_changed_goes_back_to_dcp(tmp_path) -> Non
     checked), strict restore refuses with the state untouched, and a non-strict
     one loads what was saved."""
     torch.manual_seed(5)
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    state = stalwart.TrainState(model=model, optimizer=opt)
-    step(model, opt)
-    ckpt = stalwart.CheckpointManager(tmp_path / "run", async_save=False, handle_signals=False)
+    optimizer = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    model, opt, state, ckpt = _saved(tmp_path / "run", optimizer)
     try:
-        ckpt.save(1, state, force=True)
         saved = _snapshot(model, opt)
         step(model, opt)
         model[1].register_buffer("seen", torch.ones(3))
