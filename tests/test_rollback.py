@@ -476,3 +476,12 @@ def test_ls_names_what_rollbacks_set_aside_and_ignores_lookalikes(
     assert f"set aside by a rollback to step 100: 200, in {second.name}/" in out
     assert "set aside by a rollback to step ?: 5, in .rolled-back-x\\x1b[2J-y/" in out
     assert "\x1b" not in out and "900" not in out
+
+    # A run whose every step was set aside by hand still shows where they are.
+    bare = tmp_path / "bare"
+    (bare / f"{ASIDE_PREFIX}3-abc" / step_dir_name(4)).mkdir(parents=True)
+    (bare / EVENTS_NAME).write_bytes((run / EVENTS_NAME).read_bytes())
+    assert main(["ls", str(bare)]) == 0
+    out = capsys.readouterr().out
+    assert f"{bare}: no checkpoints" in out
+    assert f"set aside by a rollback to step 3: 4, in {ASIDE_PREFIX}3-abc/" in out

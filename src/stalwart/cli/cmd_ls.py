@@ -404,6 +404,7 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
     durable = report["durable"]
     if not entries:
         console.print(f"{report['run']}: no checkpoints", markup=False, soft_wrap=True)
+        _print_set_aside(console, report)
         if durable is not None:
             for line in _durable_lines(durable):
                 console.print(line, markup=False, soft_wrap=True)
@@ -458,15 +459,7 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
             markup=False,
             soft_wrap=True,
         )
-    for aside in report.get("set_aside", []):
-        steps = ", ".join(map(str, aside["steps"])) or "no steps"
-        console.print(
-            f"set aside by a rollback to step {aside['to'] if aside['to'] is not None else '?'}: "
-            f"{steps}, in {_printable(aside['path'])}/ (rename a step back into the run to "
-            "use it again)",
-            markup=False,
-            soft_wrap=True,
-        )
+    _print_set_aside(console, report)
     if durable is not None:
         for line in _durable_lines(durable):
             console.print(line, markup=False, soft_wrap=True)
@@ -480,6 +473,18 @@ def _render(report: dict[str, Any], out: TextIO) -> None:
 
 
 _DURABLE_MARK = {True: "yes", False: "no", None: "-"}
+
+
+def _print_set_aside(console: Any, report: dict[str, Any]) -> None:
+    for aside in report.get("set_aside", []):
+        steps = ", ".join(map(str, aside["steps"])) or "no steps"
+        console.print(
+            f"set aside by a rollback to step {aside['to'] if aside['to'] is not None else '?'}: "
+            f"{steps}, in {_printable(aside['path'])}/ (rename a step back into the run to "
+            "use it again)",
+            markup=False,
+            soft_wrap=True,
+        )
 
 
 def _printable(name: str) -> str:
