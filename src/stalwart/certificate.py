@@ -397,12 +397,21 @@ class Certificate:
         self.folder = directory / FINGERPRINT_DIR / f"rank-{rank:05d}"
         self.rank = rank
         self.world_size = world_size
+        self._begin()
+
+    def _begin(self) -> None:
+        """Start an attempt: a new log, nothing to compare yet."""
         # Sortable by start time: the newest earlier attempt is the one a restore lost.
         self.attempt = f"{time.time_ns():020d}-{os.getpid()}"
         self._log = _AttemptLog(
             self.folder,
             self.attempt,
-            {"format": _FORMAT, "attempt": self.attempt, "rank": rank, "world_size": world_size},
+            {
+                "format": _FORMAT,
+                "attempt": self.attempt,
+                "rank": self.rank,
+                "world_size": self.world_size,
+            },
         )
         self._expected: dict[int, Fingerprint] = {}
         self._last_expected = -1
@@ -569,5 +578,4 @@ class Certificate:
         """Close this attempt's log and begin a new attempt with nothing to compare: after
         a rollback moved the logs aside with the steps it abandoned (``stalwart.rollback``)."""
         self._log.close()
-        fresh = Certificate(self.folder.parent.parent, rank=self.rank, world_size=self.world_size)
-        self.__dict__.update(vars(fresh))  # the manager keeps its reference
+        self._begin()

@@ -28,6 +28,8 @@ would download them again: ``roll_back`` refuses it unless the caller rolled
 the tier back first, as ``CheckpointManager.rollback`` does
 (``TierSync.roll_back``: a step only the tier holds is downloaded, so that it
 is kept aside with the others, then the tier's newer steps are deleted).
+
+``list_set_aside(run)`` names what rollbacks set aside (``stalwart ls``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from stalwart.errors import CheckpointNotFoundError, DurableStoreError, RollbackError, StalwartError
 from stalwart.events import EventLog
 from stalwart.history import read_history
-from stalwart.layout import EVENTS_NAME, FINGERPRINT_DIR, step_dir_name
+from stalwart.layout import EVENTS_NAME, FINGERPRINT_DIR, step_dir_name, step_of_dir_name
 from stalwart.lock import RunLock
 from stalwart.redact import redact_url
 from stalwart.storage.local import LocalStorage, fsync_dir
@@ -54,6 +56,8 @@ if TYPE_CHECKING:
 __all__ = [
     "ASIDE_PREFIX",
     "RollbackPlan",
+    "SetAside",
+    "list_set_aside",
     "plan_rollback",
     "roll_back",
     "roll_back_tiers",
@@ -259,3 +263,50 @@ def _report(
         "moved": listed,
         "fingerprints": fingerprints,
     }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SetAside:
+    """One directory a rollback moved steps into (``<run>/.rolled-back-<to>-<hex>/``)."""
+
+    name: str
+    to: int | None
+    """The step rolled back to, from the name (None: the name carries none)."""
+    steps: list[int]
+    """The step directories inside, by name (not checked)."""
+    mtime: float
+
+
+def list_set_aside(run: Path) -> list[SetAside]:
+    """What rollbacks set aside in ``run``, oldest first; reads names only.
+
+    Only real directories count (a link named like one is not followed), and
+    nothing in them is read: ``stalwart verify`` checks a step there. A run
+    that cannot be listed gives an empty list (its listing fails elsewhere).
+    """
+    found: list[SetAside] = []
+    try:
+        with os.scandir(run) as listing:
+            entries = [e for e in listing if e.name.startswith(ASIDE_PREFIX)]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            mtime = entry.stat(follow_symlinks=False).st_mtime
+            with os.scandir(entry.path) as inside:
+                names = [e.name for e in inside if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue  # gone or unreadable since the listing
+        to = entry.name.removeprefix(ASIDE_PREFIX).split("-", 1)[0]
+        steps = (step_of_dir_name(name) for name in names)
+        found.append(
+            SetAside(
+                name=entry.name,
+                to=int(to) if to.isascii() and to.isdigit() else None,
+                steps=sorted(s for s in steps if s is not None),
+                mtime=mtime,
+            )
+        )
+    return sorted(found, key=lambda a: (a.mtime, a.name))

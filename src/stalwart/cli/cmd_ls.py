@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import textwrap
 from pathlib import Path
 from typing import Any, TextIO
@@ -40,9 +39,8 @@ from stalwart.cli.timeline import INCIDENT_EVENTS, describe_incident
 from stalwart.errors import DurableStoreError
 from stalwart.events import read_events
 from stalwart.history import DurableHistory, RunHistory
-from stalwart.layout import step_of_dir_name
 from stalwart.redact import redact_url
-from stalwart.rollback import ASIDE_PREFIX
+from stalwart.rollback import list_set_aside
 from stalwart.storage.durable import DurableTier
 
 __all__ = ["add_parser", "list_run", "list_store", "run"]
@@ -191,46 +189,11 @@ def list_run(run: Path, *, verify: bool, warn: TextIO) -> dict[str, Any]:
             for step in sorted(verdicts)
         ],
         "incidents": incidents,
-        "set_aside": _set_aside(run),
+        "set_aside": [
+            {"path": a.name, "to": a.to, "steps": a.steps, "time": iso_utc(a.mtime)}
+            for a in list_set_aside(run)
+        ],
     }
-
-
-def _set_aside(run: Path) -> list[dict[str, Any]]:
-    """What rollbacks moved aside, kept (``RUN/.rolled-back-N-<hex>/``): each directory,
-    the step it rolled back to, and the step directories in it, by name; oldest first.
-
-    Only real directories count (a link named so is not followed), and nothing in
-    them is read: ``stalwart verify`` checks a step there.
-    """
-    found: list[tuple[float, dict[str, Any]]] = []
-    try:
-        entries = [e for e in os.scandir(run) if e.name.startswith(ASIDE_PREFIX)]
-    except OSError:
-        return []  # listing the run failed already, with its reason
-    for entry in entries:
-        try:
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-            when = entry.stat(follow_symlinks=False).st_mtime
-            with os.scandir(entry.path) as inside:
-                steps = [
-                    step_of_dir_name(e.name) for e in inside if e.is_dir(follow_symlinks=False)
-                ]
-        except OSError:
-            continue  # gone or unreadable since the listing: not ours to explain
-        to = entry.name.removeprefix(ASIDE_PREFIX).split("-", 1)[0]
-        found.append(
-            (
-                when,
-                {
-                    "path": entry.name,
-                    "to": int(to) if to.isascii() and to.isdigit() else None,
-                    "steps": sorted(s for s in steps if s is not None),
-                    "time": iso_utc(when),
-                },
-            )
-        )
-    return [item for _, item in sorted(found, key=lambda pair: (pair[0], pair[1]["path"]))]
 
 
 def _incidents(run: Path) -> list[dict[str, Any]]:
